@@ -1,0 +1,121 @@
+"""``inspect``: what a checkpoint is, whether it is complete and consistent, what it converts to.
+
+Header-only: never reads tensor data.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mxfp4conv.io.checkpoint import Checkpoint, open_checkpoint
+from mxfp4conv.layouts import Plan, Problem, detect_layout
+from mxfp4conv.writers import WriterContext, valid_targets
+
+__all__ = ["SCHEMA_VERSION", "InspectReport", "analyze", "inspect_checkpoint", "writer_context"]
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class InspectReport:
+    source: str
+    layout: str
+    evidence: list[str]
+    plan: Plan
+    tensors: int
+    total_bytes: int
+    files: list[str]
+    targets: list[str]
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.problems else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        f = self.plan.facts
+        kinds = [u.kind for u in self.plan.units]
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "source": self.source,
+            "layout": self.layout,
+            "evidence": self.evidence,
+            "model_type": f.model_type,
+            "architecture": f.architecture,
+            "scheme": f.scheme,
+            "quant": f.source_quant,
+            "num_layers": f.num_layers,
+            "num_moe_layers": kinds.count("moe"),
+            "num_experts": f.num_experts,
+            "hidden_size": f.hidden_size,
+            "intermediate_size": f.intermediate_size,
+            "num_dense_fp4_layers": kinds.count("dense"),
+            "num_passthrough_tensors": kinds.count("passthrough"),
+            "expert_names": list(f.expert_names),
+            "ignore": list(f.ignore),
+            "tensors": self.tensors,
+            "total_bytes": self.total_bytes,
+            "files": self.files,
+            "problems": [p.to_dict() for p in self.problems],
+            "targets": self.targets,
+        }
+
+
+def writer_context(plan: Plan, ckpt: Checkpoint, options: dict[str, str] | None = None) -> WriterContext:
+    pt = {u.key: (ckpt.tensors[u.key].dtype, ckpt.tensors[u.key].shape) for u in plan.units if u.kind == "passthrough"}
+    return WriterContext(plan.facts, plan.layout, plan.units, pt, options or {})
+
+
+def _ignore_problems(ckpt: Checkpoint, plan: Plan) -> list[Problem]:
+    cfg = str(ckpt.root / "config.json")
+    out = []
+    for pat in plan.facts.ignore:
+        if pat.startswith("re:"):
+            try:
+                re.compile(pat[3:])
+            except re.error as exc:
+                out.append(Problem(pat, cfg, f"ignore entry is not a valid regular expression ({exc})"))
+    # A module the source says it left unquantized must not hold FP4 tensors.
+    fp4 = [u.key for u in plan.units if u.kind == "dense"]
+    for module in fp4:
+        for pat in plan.facts.ignore:
+            hit = (re.match(pat[3:], module) if pat.startswith("re:") and _valid(pat[3:])
+                   else plan.layout == "modelopt-nvfp4" and fnmatch.fnmatchcase(module, pat) or module == pat)
+            if hit:
+                out.append(Problem(module, cfg, f"FP4 tensors present but the ignore/exclude list entry {pat!r} covers the module"))
+                break
+    return out
+
+
+def _valid(rx: str) -> bool:
+    try:
+        re.compile(rx)
+    except re.error:
+        return False
+    return True
+
+
+def analyze(ckpt: Checkpoint) -> tuple[Any, Plan, list[str]]:
+    """(layout module, plan, evidence) of an opened checkpoint."""
+    layout, evidence = detect_layout(ckpt)
+    plan = layout.plan(ckpt)
+    plan.evidence = evidence
+    plan.problems.extend(_ignore_problems(ckpt, plan))
+    if plan.facts.num_experts == 0 and not any(u.kind == "moe" for u in plan.units):
+        plan.problems.append(Problem("", str(ckpt.root / "config.json"),
+                                     "no MoE experts found (config has no num_experts and no expert tensors matched)"))
+    return layout, plan, evidence
+
+
+def inspect_checkpoint(src: str | Path, revision: str | None = None) -> InspectReport:
+    ckpt = open_checkpoint(src, revision)
+    _, plan, evidence = analyze(ckpt)
+    ctx = writer_context(plan, ckpt)
+    return InspectReport(
+        source=str(src), layout=plan.layout, evidence=evidence, plan=plan, tensors=len(ckpt.tensors),
+        total_bytes=ckpt.total_bytes, files=[ckpt.rel(f) for f in ckpt.shard_files],
+        targets=valid_targets(ctx) if not plan.problems else [], problems=plan.problems)

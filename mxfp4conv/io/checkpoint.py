@@ -1,0 +1,168 @@
+"""Open a checkpoint folder (or a Hugging Face repo id) from headers and JSON files only."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mxfp4conv.errors import InputError
+from mxfp4conv.io.safetensors_io import TensorRef, load_json, read_header
+
+__all__ = ["PICKLE_SUFFIXES", "Checkpoint", "open_checkpoint", "resolve_source"]
+
+INDEX_NAME = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class Checkpoint:
+    """Everything known about a checkpoint without reading tensor data."""
+
+    root: Path
+    config: dict[str, Any]
+    tensors: dict[str, TensorRef]
+    shard_files: list[Path]
+    hf_quant_config: dict[str, Any] | None = None
+    shard_metadata: dict[str, dict[str, str]] = field(default_factory=dict)
+    repo_id: str | None = None
+    revision: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def rel(self, path: Path) -> str:
+        try:
+            return str(path.relative_to(self.root))
+        except ValueError:
+            return str(path)
+
+
+def resolve_source(src: str, revision: str | None = None) -> tuple[Path, str | None, str | None]:
+    """A local folder as is; otherwise a Hugging Face repo id resolved into the local HF cache.
+
+    Returns (folder, repo_id or None, resolved revision or None). Network access follows
+    huggingface_hub's own settings (HF_HUB_OFFLINE=1 keeps it to the cache).
+    """
+    path = Path(src)
+    if path.exists():
+        return path, None, None
+    if not _REPO_ID.match(src):
+        raise InputError("no such file or folder", file=src,
+                         hint="pass a checkpoint folder or a Hugging Face repo id like org/name")
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError as exc:  # pragma: no cover - huggingface_hub is a dependency
+        raise InputError("huggingface_hub is not installed", file=src) from exc
+    try:
+        folder = snapshot_download(repo_id=src, revision=revision,
+                                   allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
+                                                   "*.jinja", "*.tiktoken", "*.md"],
+                                   ignore_patterns=["original/*"])
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
+        raise InputError(f"cannot resolve Hugging Face repo: {type(exc).__name__}: {exc}", file=src,
+                         hint="check the repo id, or pre-download it and set HF_HUB_OFFLINE=1") from exc
+    folder_path = Path(folder)
+    return folder_path, src, folder_path.name
+
+
+def _inside(root: Path, rel_name: str, what: str) -> Path:
+    """Resolve a file named by the index; refuse paths that leave the folder."""
+    if not rel_name or os.path.isabs(rel_name) or "\\" in rel_name or any(
+            part == ".." for part in Path(rel_name).parts):
+        raise InputError(f"{what} names {rel_name!r}, a path outside the checkpoint folder",
+                         file=str(root / INDEX_NAME), hint="the index must name shard files inside the folder")
+    path = root / rel_name
+    real, real_root = path.resolve(), root.resolve()
+    if real_root in real.parents:
+        return path
+    if _is_hf_blob(root, path, real):
+        return path
+    raise InputError(f"{what} {rel_name!r} is a symlink leading outside the checkpoint folder ({real})",
+                     file=str(root / INDEX_NAME), hint="copy the real file into the folder")
+
+
+def _is_hf_blob(root: Path, path: Path, real: Path) -> bool:
+    """A Hugging Face cache snapshot links files to ``<repo>/blobs/<hash>`` of its own repo."""
+    snap = root.resolve() if not root.is_symlink() else root.absolute()
+    if snap.parent.name != "snapshots":
+        return False
+    repo_dir = snap.parent.parent
+    return real.parent == repo_dir / "blobs" and path.is_symlink()
+
+
+def _refuse_pickles(root: Path) -> None:
+    pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise InputError(f"only pickle weights found ({', '.join(pickles[:3])}); mxfp4conv never unpickles "
+                         "files, as loading a pickle can run arbitrary code", file=str(root / pickles[0]),
+                         hint="convert the weights to safetensors with a trusted tool first")
+    raise InputError("no *.safetensors files and no model.safetensors.index.json", file=str(root),
+                     hint="point SRC at the folder holding the checkpoint's safetensors shards")
+
+
+def _shard_names(root: Path) -> tuple[list[str], dict[str, str] | None]:
+    index_path = root / INDEX_NAME
+    if index_path.exists():
+        index = load_json(index_path, what="shard index")
+        wmap = index.get("weight_map")
+        if not isinstance(wmap, dict) or not wmap or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()):
+            raise InputError("weight_map is missing, empty or not a map of tensor name to file name",
+                             file=str(index_path), hint="restore the index from the original release")
+        return sorted(set(wmap.values())), wmap
+    names = sorted(p.name for p in root.glob("*.safetensors"))
+    if not names:
+        _refuse_pickles(root)
+    return names, None
+
+
+def open_checkpoint(src: str | Path, revision: str | None = None) -> Checkpoint:
+    """Enumerate a checkpoint from its headers, config.json and (if present) hf_quant_config.json."""
+    root, repo_id, rev = resolve_source(str(src), revision)
+    if not root.is_dir():
+        raise InputError("SRC is not a folder", file=str(root),
+                         hint="pass the folder that holds config.json and the safetensors shards")
+    if not any(root.iterdir()):
+        raise InputError("the folder is empty", file=str(root), hint="download the checkpoint into it first")
+    cfg_path = root / "config.json"
+    if not cfg_path.exists():
+        raise InputError("config.json is missing", file=str(cfg_path),
+                         hint="copy config.json from the original release next to the shards")
+    config = load_json(cfg_path, what="config.json")
+    hqc_path = root / "hf_quant_config.json"
+    hqc = load_json(hqc_path, what="hf_quant_config.json") if hqc_path.exists() else None
+
+    names, wmap = _shard_names(root)
+    tensors: dict[str, TensorRef] = {}
+    files: list[Path] = []
+    metas: dict[str, dict[str, str]] = {}
+    for name in names:
+        path = _inside(root, name, "shard")
+        if not path.is_file():
+            raise InputError(f"shard {name!r} listed in the index does not exist", file=str(path),
+                             hint="download the missing shard")
+        files.append(path)
+        shard, meta = read_header(path)
+        metas[name] = meta
+        for tname, ref in shard.items():
+            if tname in tensors:
+                raise InputError(f"tensor also stored in {tensors[tname].file.name}", file=str(path),
+                                 tensor=tname, hint="remove the duplicate shard")
+            if wmap is not None and wmap.get(tname) != name:
+                raise InputError(f"tensor is in this shard but the index maps it to {wmap.get(tname)!r}",
+                                 file=str(path), tensor=tname, hint="regenerate model.safetensors.index.json")
+            tensors[tname] = ref
+    if wmap is not None:
+        missing = sorted(set(wmap) - set(tensors))
+        if missing:
+            raise InputError(f"index lists the tensor in {wmap[missing[0]]} but the shard does not hold it"
+                             f" ({len(missing)} missing)", file=str(root / wmap[missing[0]]),
+                             tensor=missing[0], hint="download the shard again")
+    return Checkpoint(root=root, config=config, tensors=tensors, shard_files=files, hf_quant_config=hqc,
+                      shard_metadata=metas, repo_id=repo_id, revision=rev)

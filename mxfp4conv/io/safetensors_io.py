@@ -1,0 +1,269 @@
+"""Header-only safetensors reading, lazy per-tensor loads, and a streaming shard writer.
+
+A checkpoint is enumerated from the 8-byte length + JSON header of each shard; tensor data is read
+only when ``TensorRef.load()`` is called, with ``os.pread`` on the exact byte range. Every header
+is validated before use (size limits, JSON object without duplicate keys, known dtypes, offsets
+inside the data area and not overlapping, byte length equal to shape x dtype size), so a hostile
+file produces an ``InputError`` naming the file and tensor, never a crash or a huge allocation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from mxfp4conv.errors import InputError, OutputError
+
+__all__ = [
+    "DTYPES",
+    "MAX_HEADER_BYTES",
+    "MAX_JSON_BYTES",
+    "TensorRef",
+    "load_json",
+    "read_header",
+    "write_safetensors",
+]
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
+MAX_JSON_BYTES = 64 * 1024 * 1024  # config.json, index, hf_quant_config.json
+
+# safetensors dtype string -> (torch dtype, bytes per element)
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "BOOL": (torch.bool, 1),
+    "U8": (torch.uint8, 1),
+    "I8": (torch.int8, 1),
+    "I16": (torch.int16, 2),
+    "U16": (torch.uint16, 2),
+    "I32": (torch.int32, 4),
+    "U32": (torch.uint32, 4),
+    "I64": (torch.int64, 8),
+    "U64": (torch.uint64, 8),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "F32": (torch.float32, 4),
+    "F64": (torch.float64, 8),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    DTYPES["F8_E8M0"] = (torch.float8_e8m0fnu, 1)
+
+_TORCH_TO_ST = {v[0]: k for k, v in DTYPES.items()}
+
+
+def st_dtype(dtype: torch.dtype) -> str:
+    """The safetensors dtype string of a torch dtype."""
+    return _TORCH_TO_ST[dtype]
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def load_json(path: Path, *, what: str = "JSON file") -> dict[str, Any]:
+    """Read a JSON object with a size limit and no duplicate keys."""
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise InputError(f"cannot read {what}: {exc.strerror}", file=str(path)) from exc
+    if size > MAX_JSON_BYTES:
+        raise InputError(f"{what} is {size} bytes, over the {MAX_JSON_BYTES} byte limit", file=str(path))
+    try:
+        data = json.loads(path.read_bytes(), object_pairs_hook=_no_duplicates)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InputError(f"{what} is not valid JSON ({exc})", file=str(path),
+                         hint="restore the file from the original release") from exc
+    if not isinstance(data, dict):
+        raise InputError(f"{what} is not a JSON object", file=str(path))
+    return data
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor in a safetensors file, known from the header only."""
+
+    file: Path
+    name: str
+    dtype: str  # safetensors dtype string, e.g. "U8", "BF16"
+    shape: tuple[int, ...]
+    begin: int  # absolute file offset of the first byte
+    end: int  # absolute file offset one past the last byte
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype][0]
+
+    def read_bytes(self) -> bytes:
+        """The raw bytes of the tensor (exactly ``nbytes``)."""
+        fd = os.open(self.file, os.O_RDONLY)
+        try:
+            chunks = []
+            pos, left = self.begin, self.nbytes
+            while left:
+                chunk = os.pread(fd, min(left, 1 << 30), pos)
+                if not chunk:
+                    raise InputError("file ended inside the tensor's data (truncated shard?)",
+                                     file=str(self.file), tensor=self.name,
+                                     hint="download the shard again")
+                chunks.append(chunk)
+                pos += len(chunk)
+                left -= len(chunk)
+        finally:
+            os.close(fd)
+        return b"".join(chunks)
+
+    def load(self) -> torch.Tensor:
+        """Read the tensor (CPU, own memory)."""
+        raw = bytearray(self.read_bytes())
+        dtype = DTYPES[self.dtype][0]
+        if not raw:
+            return torch.empty(self.shape, dtype=dtype)
+        flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
+        return flat.reshape(self.shape)
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
+    """Parse and validate one shard's header. Returns (tensors by name, ``__metadata__``)."""
+    fname = str(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise InputError(f"file is {size} bytes, too short for a safetensors header",
+                                 file=fname, hint="the shard is truncated; download it again")
+            n = int.from_bytes(head, "little")
+            if n > MAX_HEADER_BYTES:
+                raise InputError(f"header length {n} is over the {MAX_HEADER_BYTES} byte limit",
+                                 file=fname, hint="the file is corrupt or not a safetensors file")
+            if 8 + n > size:
+                raise InputError(f"header length {n} is larger than the file ({size} bytes)",
+                                 file=fname, hint="the shard is truncated or corrupt; download it again")
+            raw = fh.read(n)
+    except OSError as exc:
+        raise InputError(f"cannot read shard: {exc.strerror}", file=fname) from exc
+    try:
+        header = json.loads(raw, object_pairs_hook=_no_duplicates)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InputError(f"header is not valid JSON ({exc})", file=fname,
+                         hint="the shard is corrupt; download it again") from exc
+    if not isinstance(header, dict):
+        raise InputError("header is not a JSON object", file=fname, hint="the shard is corrupt")
+    data_start = 8 + n
+    data_len = size - data_start
+    meta_raw = header.pop("__metadata__", None) or {}
+    if not isinstance(meta_raw, dict) or not all(isinstance(v, str) for v in meta_raw.values()):
+        raise InputError("__metadata__ must map strings to strings", file=fname)
+    tensors: dict[str, TensorRef] = {}
+    for name, entry in header.items():
+        tensors[name] = _parse_entry(fname, path, name, entry, data_start, data_len)
+    spans = sorted((t.begin, t.end, t.name) for t in tensors.values() if t.nbytes)
+    for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise InputError(f"data of tensors {n0} and {n1} overlap", file=fname, tensor=n1,
+                             hint="the shard is corrupt; download it again")
+    return tensors, dict(meta_raw)
+
+
+def _parse_entry(fname: str, path: Path, name: str, entry: Any, data_start: int,
+                 data_len: int) -> TensorRef:
+    if not isinstance(entry, dict):
+        raise InputError("header entry is not an object", file=fname, tensor=name)
+    dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPES:
+        raise InputError(f"unknown dtype {dtype!r}", file=fname, tensor=name)
+    if (not isinstance(shape, list) or len(shape) > 8
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**48 for d in shape)):
+        raise InputError(f"invalid shape {shape!r}", file=fname, tensor=name)
+    if (not isinstance(offs, list) or len(offs) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)):
+        raise InputError(f"invalid data_offsets {offs!r}", file=fname, tensor=name)
+    b, e = offs
+    if not 0 <= b <= e <= data_len:
+        raise InputError(f"data_offsets [{b}, {e}] lie outside the data area ({data_len} bytes)",
+                         file=fname, tensor=name, hint="the shard is truncated or corrupt; download it again")
+    expect = math.prod(shape) * DTYPES[dtype][1]
+    if e - b != expect:
+        raise InputError(f"holds {e - b} bytes but dtype {dtype} x shape {shape} needs {expect}",
+                         file=fname, tensor=name, hint="the shard is corrupt")
+    return TensorRef(path, name, dtype, tuple(shape), data_start + b, data_start + e)
+
+
+def _header_bytes(entries: list[tuple[str, str, tuple[int, ...], int]],
+                  metadata: dict[str, str] | None) -> bytes:
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(sorted(metadata.items()))
+    off = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def write_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]]],
+                      data: Iterable[bytes | torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> str:
+    """Stream tensors into a new safetensors file; returns its sha256.
+
+    ``entries`` declares (name, dtype, shape) in file order, so the header is written first and
+    ``data`` (one item per entry, in the same order) can be produced lazily.
+    """
+    sized = [(n, d, s, math.prod(s) * DTYPES[d][1]) for n, d, s in entries]
+    digest = hashlib.sha256()
+    try:
+        with open(path, "xb") as fh:
+            _emit(fh, digest, _header_bytes(sized, metadata))
+            for (name, dtype, shape, nbytes), item in zip(sized, _iter_checked(data, len(sized))):
+                raw = _as_bytes(item)
+                if len(raw) != nbytes:
+                    raise AssertionError(f"{name}: produced {len(raw)} bytes, planned {nbytes} ({dtype}{list(shape)})")
+                _emit(fh, digest, raw)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        raise OutputError(f"cannot write shard: {exc.strerror}", file=str(path),
+                          hint="free disk space or choose another destination") from exc
+    return digest.hexdigest()
+
+
+def _iter_checked(data: Iterable[bytes | torch.Tensor], n: int) -> Iterator[bytes | torch.Tensor]:
+    count = 0
+    for item in data:
+        count += 1
+        yield item
+    if count != n:
+        raise AssertionError(f"planned {n} tensors, produced {count}")
+
+
+def _as_bytes(item: bytes | torch.Tensor) -> bytes | memoryview:
+    if isinstance(item, bytes):
+        return item
+    t = item.detach().contiguous().cpu()
+    if t.numel() == 0:
+        return b""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _emit(fh: BinaryIO, digest: Any, raw: bytes | memoryview) -> None:
+    fh.write(raw)
+    digest.update(raw)

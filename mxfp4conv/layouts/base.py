@@ -1,0 +1,307 @@
+"""What every input layout provides, and the machinery the split-expert layouts share.
+
+A layout turns a ``Checkpoint`` (headers only) into a ``Plan``: model facts, units of work
+(``UnitSpec``) and the problems found, then reads one unit at a time into the canonical model.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, ModelFacts, MoELayer, Passthrough, UnitSpec
+from mxfp4conv.io.checkpoint import Checkpoint
+from mxfp4conv.io.safetensors_io import TensorRef
+
+__all__ = [
+    "EXPERT_RE",
+    "Layout",
+    "LinearRoles",
+    "Plan",
+    "Problem",
+    "config_facts",
+    "plan_split_layout",
+    "read_split_unit",
+]
+
+
+@dataclass(frozen=True)
+class Problem:
+    tensor: str
+    file: str
+    message: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"tensor": self.tensor, "file": self.file, "message": self.message}
+
+
+@dataclass
+class Plan:
+    layout: str
+    facts: ModelFacts
+    units: list[UnitSpec]
+    problems: list[Problem] = field(default_factory=list)
+    evidence: list[str] = field(default_factory=list)
+
+
+class Layout(Protocol):
+    name: str
+
+    def detect(self, ckpt: Checkpoint) -> list[str] | None:
+        """Evidence (config keys, tensor names) if the checkpoint is in this layout, else None."""
+
+    def plan(self, ckpt: Checkpoint) -> Plan:
+        """Facts, units and problems, from headers alone."""
+
+    def read(self, ckpt: Checkpoint, spec: UnitSpec) -> Canonical:
+        """Load one unit into the canonical model."""
+
+
+def text_config(config: dict[str, object]) -> dict[str, object]:
+    """The language model's config (multimodal configs nest it under text_config)."""
+    inner = config.get("text_config")
+    return inner if isinstance(inner, dict) and "hidden_size" in inner else config
+
+
+def _int(cfg: dict[str, object], *keys: str) -> int:
+    for key in keys:
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return 0
+
+
+def config_facts(config: dict[str, object], *, scheme: str, quant: str, expert_names: tuple[str, str, str],
+                 ignore: tuple[str, ...] = ()) -> ModelFacts:
+    cfg = text_config(config)
+    archs = config.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
+    model_type = str(config.get("model_type", ""))
+    return ModelFacts(
+        model_type=model_type,
+        architecture=arch,
+        scheme=scheme,
+        source_quant=quant,  # type: ignore[arg-type]
+        num_layers=_int(cfg, "num_hidden_layers", "n_layer"),
+        num_experts=_int(cfg, "num_local_experts", "num_experts", "n_routed_experts"),
+        hidden_size=_int(cfg, "hidden_size"),
+        intermediate_size=_int(cfg, "moe_intermediate_size", "intermediate_size"),
+        expert_names=expert_names,
+        activation="swigluoai" if model_type == "gpt_oss" else "silu",
+        ignore=ignore,
+    )
+
+
+# Per-expert split names: "<prefix>.experts.<e>.<proj>.<suffix>"
+EXPERT_RE = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<suffix>[A-Za-z0-9_]+)$")
+_GATE_UP_DOWN = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
+@dataclass(frozen=True)
+class LinearRoles:
+    """Tensor suffixes of one quantized Linear in a split layout."""
+
+    packed: str  # "weight_packed" (compressed-tensors) or "weight" (ModelOpt)
+    scale: str  # "weight_scale"
+    scale_dtype: str  # "U8" (E8M0) or "F8_E4M3"
+    group: int  # 32 or 16
+    quant: str  # "mxfp4" | "nvfp4"
+    global_scale: str | None = None  # "weight_global_scale" (divisor) / "weight_scale_2" (multiplier)
+    global_is_divisor: bool = False
+    input_scale: str | None = None  # "input_global_scale" / "input_scale"
+
+    def partners(self) -> tuple[str, ...]:
+        return tuple(s for s in (self.scale, self.global_scale) if s)
+
+    def owned(self) -> tuple[str, ...]:
+        return tuple(s for s in (self.packed, self.scale, self.global_scale, self.input_scale, "bias") if s)
+
+
+def _is_fp4_primary(ref: TensorRef, roles: LinearRoles, tensors: dict[str, TensorRef]) -> bool:
+    if ref.dtype != "U8" or len(ref.shape) < 2:
+        return False
+    module = ref.name[: -len(roles.packed) - 1]
+    # A ModelOpt "weight" is FP4 only when its block scale is there; a bare uint8 weight with no
+    # partner is reported as a missing partner by the caller only if a scale-like sibling exists.
+    return roles.packed != "weight" or f"{module}.{roles.scale}" in tensors
+
+
+def _check_linear(ckpt: Checkpoint, module: str, roles: LinearRoles, problems: list[Problem],
+                  n: int | None = None, k: int | None = None) -> tuple[int, int] | None:
+    """Validate one quantized Linear's tensors; returns (N, K) when consistent."""
+    t = ckpt.tensors
+    packed = t[f"{module}.{roles.packed}"]
+    file = ckpt.rel(packed.file)
+    if len(packed.shape) != 2:
+        problems.append(Problem(packed.name, file, f"packed FP4 weight must be 2-D [N, K/2], got {list(packed.shape)}"))
+        return None
+    rows, kk = packed.shape[0], packed.shape[1] * 2
+    ok = True
+    for suffix in roles.partners():
+        if f"{module}.{suffix}" not in t:
+            problems.append(Problem(f"{module}.{suffix}", file, f"missing partner tensor of {packed.name}"))
+            ok = False
+    if not ok:
+        return None
+    scale = t[f"{module}.{roles.scale}"]
+    sfile = ckpt.rel(scale.file)
+    if scale.dtype != roles.scale_dtype:
+        problems.append(Problem(scale.name, sfile, f"scale dtype {scale.dtype}, layout requires {roles.scale_dtype}"))
+        ok = False
+    if kk % roles.group or list(scale.shape) != [rows, kk // roles.group]:
+        problems.append(Problem(scale.name, sfile, f"scale shape {list(scale.shape)} does not match packed weight "
+                                f"{list(packed.shape)} (expected [{rows}, {kk // roles.group}], one per {roles.group})"))
+        ok = False
+    if roles.global_scale:
+        g = t[f"{module}.{roles.global_scale}"]
+        if g.dtype != "F32" or g.nbytes != 4:
+            problems.append(Problem(g.name, ckpt.rel(g.file), f"global scale must be one float32, got {g.dtype}{list(g.shape)}"))
+            ok = False
+    bias = t.get(f"{module}.bias")
+    if bias is not None and list(bias.shape) != [rows]:
+        problems.append(Problem(bias.name, ckpt.rel(bias.file), f"bias shape {list(bias.shape)}, expected [{rows}]"))
+        ok = False
+    if n is not None and rows != n:
+        problems.append(Problem(packed.name, file, f"has {rows} output rows, expected {n}"))
+        ok = False
+    if k is not None and kk != k:
+        problems.append(Problem(packed.name, file, f"has K = {kk} input columns, expected {k}"))
+        ok = False
+    return (rows, kk) if ok else None
+
+
+def plan_split_layout(ckpt: Checkpoint, layout: str, roles: LinearRoles, facts: ModelFacts,
+                      fused: Callable[[Checkpoint, set[str], list[Problem], list[UnitSpec]], None] | None = None,
+                      ) -> Plan:
+    """Group a split-expert checkpoint's tensors into MoE, dense FP4 and passthrough units."""
+    tensors = ckpt.tensors
+    problems: list[Problem] = []
+    units: list[UnitSpec] = []
+    consumed: set[str] = set()
+    suffix = "." + roles.packed
+    primaries = sorted(n for n, r in tensors.items() if n.endswith(suffix) and _is_fp4_primary(r, roles, tensors))
+    experts: dict[str, dict[int, dict[str, str]]] = {}
+    for name in primaries:
+        module = name[: -len(suffix)]
+        m = EXPERT_RE.match(f"{module}.x")
+        if m:
+            experts.setdefault(m["prefix"], {}).setdefault(int(m["e"]), {})[_GATE_UP_DOWN[m["proj"]]] = module
+            continue
+        nk = _check_linear(ckpt, module, roles, problems)
+        owned = [f"{module}.{s}" for s in roles.owned() if f"{module}.{s}" in tensors]
+        consumed.update(owned)
+        if nk:
+            units.append(UnitSpec("dense", module, tuple(owned), nk, f"{module}.bias" in tensors,
+                                  {"bias_dtype": tensors[f"{module}.bias"].dtype} if f"{module}.bias" in tensors else {}))
+    if fused:
+        fused(ckpt, consumed, problems, units)
+    for prefix in sorted(experts, key=_natural):
+        unit = _plan_moe(ckpt, prefix, experts[prefix], roles, facts, problems, consumed)
+        if unit:
+            units.append(unit)
+    for name in sorted(tensors, key=_natural):
+        if name not in consumed:
+            units.append(UnitSpec("passthrough", name, (name,)))
+    units.sort(key=lambda u: _natural(u.key))
+    return Plan(layout, facts, units, problems)
+
+
+def _natural(name: str) -> list[object]:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _plan_moe(ckpt: Checkpoint, prefix: str, by_expert: dict[int, dict[str, str]], roles: LinearRoles,
+              facts: ModelFacts, problems: list[Problem], consumed: set[str]) -> UnitSpec | None:
+    ids = sorted(by_expert)
+    any_mod = next(iter(by_expert[ids[0]].values()))
+    file = ckpt.rel(ckpt.tensors[f"{any_mod}.{roles.packed}"].file)
+    num = facts.num_experts or (ids[-1] + 1)
+    missing = [e for e in range(num) if e not in by_expert]
+    extra = [e for e in ids if e >= num]
+    if missing or extra:
+        what = f"expert {missing[0]} is missing" if missing else f"expert id {extra[0]} is beyond num_experts={num}"
+        problems.append(Problem(f"{prefix}.{missing[0] if missing else extra[0]}", file,
+                                f"{what} (experts must be 0..{num - 1}, found {len(ids)})"))
+        return None
+    h, i = facts.hidden_size or None, facts.intermediate_size or None
+    ok = True
+    sources: list[str] = []
+    bias_dtype = ""
+    has_bias = None
+    for e in range(num):
+        projs = by_expert[e]
+        for role in ("gate", "up", "down"):
+            if role not in projs:
+                problems.append(Problem(f"{prefix}.{e}.{role}", file, f"expert {e} has no {role} projection"))
+                ok = False
+                continue
+            module = projs[role]
+            nk = _check_linear(ckpt, module, roles, problems, *((i, h) if role != "down" else (h, i)))
+            if nk is None:
+                ok = False
+                continue
+            if role == "gate" and (h is None or i is None):
+                i, h = nk
+            owned = [f"{module}.{s}" for s in roles.owned() if f"{module}.{s}" in ckpt.tensors]
+            consumed.update(owned)
+            sources.extend(owned)
+            b = ckpt.tensors.get(f"{module}.bias")
+            if has_bias is None:
+                has_bias = b is not None
+            elif has_bias != (b is not None):
+                problems.append(Problem(f"{module}.bias", file, "some expert projections have a bias and some do not"))
+                ok = False
+            if b is not None:
+                bias_dtype = b.dtype
+    if not ok or h is None or i is None:
+        return None
+    extra_info = {"gate": by_expert[0]["gate"].rsplit(".", 1)[1], "up": by_expert[0]["up"].rsplit(".", 1)[1],
+                  "down": by_expert[0]["down"].rsplit(".", 1)[1]}
+    if bias_dtype:
+        extra_info["bias_dtype"] = bias_dtype
+    return UnitSpec("moe", prefix, tuple(sources), (num, h, i), bool(has_bias), extra_info)
+
+
+def _weight(ckpt: Checkpoint, modules: list[str], roles: LinearRoles) -> FP4Weight:
+    """Stack the given modules' FP4 tensors along a new leading dim (or none for one module)."""
+    t = ckpt.tensors
+    packed = torch.stack([t[f"{m}.{roles.packed}"].load() for m in modules])
+    scales = torch.stack([t[f"{m}.{roles.scale}"].load() for m in modules])
+    global_rows = None
+    if roles.global_scale:
+        g = torch.stack([t[f"{m}.{roles.global_scale}"].load().reshape(()).float() for m in modules])
+        global_rows = g[:, None].expand(-1, packed.shape[1]).contiguous()
+    if roles.scale_dtype == "F8_E4M3":
+        scales = scales.view(torch.float8_e4m3fn)
+    return FP4Weight(roles.quant, packed, scales, global_rows, roles.global_is_divisor)  # type: ignore[arg-type]
+
+
+def _cat(a: FP4Weight, b: FP4Weight) -> FP4Weight:
+    g = None if a.global_rows is None or b.global_rows is None else torch.cat([a.global_rows, b.global_rows], dim=-1)
+    return FP4Weight(a.quant, torch.cat([a.packed, b.packed], dim=-2), torch.cat([a.scales, b.scales], dim=-2),
+                     g, a.global_is_divisor)
+
+
+def read_split_unit(ckpt: Checkpoint, spec: UnitSpec, roles: LinearRoles) -> Canonical:
+    t = ckpt.tensors
+    if spec.kind == "passthrough":
+        return Passthrough(spec.key, t[spec.key].load())
+    if spec.kind == "dense":
+        w = _weight(ckpt, [spec.key], roles)
+        one = FP4Weight(w.quant, w.packed[0], w.scales[0], None if w.global_rows is None else w.global_rows[0],
+                        w.global_is_divisor)
+        bias = t[f"{spec.key}.bias"].load() if spec.has_bias else None
+        return DenseFP4(spec.key, one, bias)
+    num = spec.dims[0]
+    names = spec.extra
+    mods = {r: [f"{spec.key}.{e}.{names[r]}" for e in range(num)] for r in ("gate", "up", "down")}
+    gate, up, down = (_weight(ckpt, mods[r], roles) for r in ("gate", "up", "down"))
+    w13_bias = w2_bias = None
+    if spec.has_bias:
+        w13_bias = torch.cat([torch.stack([t[f"{m}.bias"].load() for m in mods[r]]) for r in ("gate", "up")], dim=-1)
+        w2_bias = torch.stack([t[f"{m}.bias"].load() for m in mods["down"]])
+    return MoELayer(spec.key, _cat(gate, up), down, w13_bias, w2_bias)

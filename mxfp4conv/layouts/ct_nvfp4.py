@@ -1,0 +1,33 @@
+"""``ct-nvfp4``: compressed-tensors ``nvfp4-pack-quantized`` (FORMATS.md §1).
+
+``weight_global_scale`` is a divisor (= 1 / ModelOpt's weight_scale_2); gate and up keep their
+own values (canonical ``global_rows``).
+"""
+
+from __future__ import annotations
+
+from mxfp4conv.canonical import Canonical, UnitSpec
+from mxfp4conv.io.checkpoint import Checkpoint
+from mxfp4conv.layouts import ct_common
+from mxfp4conv.layouts.base import LinearRoles, Plan, plan_split_layout, read_split_unit
+
+NAME = "ct-nvfp4"
+FORMAT = "nvfp4-pack-quantized"
+ROLES = LinearRoles(packed="weight_packed", scale="weight_scale", scale_dtype="F8_E4M3", group=16, quant="nvfp4",
+                    global_scale="weight_global_scale", global_is_divisor=True, input_scale="input_global_scale")
+
+
+def detect(ckpt: Checkpoint) -> list[str] | None:
+    ev = ct_common.config_evidence(ckpt, FORMAT)
+    marker = next((n for n in ckpt.tensors if n.endswith(".weight_global_scale")), None)
+    if marker:
+        ev.append(f"tensor {marker}")
+    return ev or None
+
+
+def plan(ckpt: Checkpoint) -> Plan:
+    return ct_common.finish_plan(ckpt, plan_split_layout(ckpt, NAME, ROLES, ct_common.facts(ckpt, "nvfp4")))
+
+
+def read(ckpt: Checkpoint, spec: UnitSpec) -> Canonical:
+    return read_split_unit(ckpt, spec, ROLES)

@@ -1,0 +1,38 @@
+"""Output targets, one module each."""
+
+from __future__ import annotations
+
+from mxfp4conv.errors import UsageError
+from mxfp4conv.writers.base import OutTensor, Target, WriterContext
+from mxfp4conv.writers.ct import CtTarget
+from mxfp4conv.writers.gpt_oss import GptOssTarget
+from mxfp4conv.writers.quark import QuarkTarget
+
+__all__ = ["TARGETS", "OutTensor", "Target", "WriterContext", "get_target", "resolve_auto", "valid_targets"]
+
+TARGETS: dict[str, type[Target]] = {
+    CtTarget.NAME: CtTarget,
+    QuarkTarget.NAME: QuarkTarget,
+    GptOssTarget.NAME: GptOssTarget,
+}
+try:  # the Marlin writer is optional at import time so a broken build of it never hides the others
+    from mxfp4conv.writers.marlin import MarlinTarget
+
+    TARGETS[MarlinTarget.NAME] = MarlinTarget
+except ImportError:  # pragma: no cover
+    pass
+
+
+def resolve_auto(model_type: str) -> str:
+    """``auto``: gpt-oss for gpt_oss models, ct otherwise."""
+    return "gpt-oss" if model_type == "gpt_oss" else "ct"
+
+
+def get_target(name: str) -> Target:
+    if name not in TARGETS:
+        raise UsageError(f"unknown target {name!r}; choose one of: auto, {', '.join(sorted(TARGETS))}")
+    return TARGETS[name]()
+
+
+def valid_targets(ctx: WriterContext) -> list[str]:
+    return [name for name, cls in TARGETS.items() if cls().refuse(ctx) is None]

@@ -1,0 +1,151 @@
+"""What every output target provides, and helpers the split-expert writers share.
+
+A writer never opens files: ``out_specs`` declares the output tensors of a unit from its
+``UnitSpec`` alone (for shard planning and --dry-run), ``encode`` produces them from the
+canonical unit in the same order, ``decode`` maps written tensors back to the canonical model
+(for verify), and ``config`` builds the output config.json.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, ModelFacts, MoELayer, Passthrough, UnitSpec
+
+__all__ = ["OutTensor", "Target", "WriterContext", "dense_module_names", "exact_ignore_list", "split_names"]
+
+Getter = Callable[[str], torch.Tensor]
+
+
+class OutTensor(NamedTuple):
+    name: str
+    dtype: str  # safetensors dtype string
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class WriterContext:
+    """What a writer may know beyond one unit: facts, source layout, the whole plan, options."""
+
+    facts: ModelFacts
+    layout: str
+    units: Sequence[UnitSpec]
+    passthrough_dtypes: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
+    options: dict[str, str]
+
+
+class Target:
+    """Base class with the passthrough behaviour shared by every target."""
+
+    NAME = ""
+
+    def refuse(self, ctx: WriterContext) -> str | None:
+        return None
+
+    def out_specs(self, spec: UnitSpec, ctx: WriterContext) -> list[OutTensor]:
+        dtype, shape = ctx.passthrough_dtypes[spec.key]
+        return [OutTensor(spec.key, dtype, shape)]
+
+    def encode(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> list[torch.Tensor]:
+        assert isinstance(unit, Passthrough)
+        return [unit.tensor]
+
+    def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
+        return Passthrough(spec.key, get(spec.key))
+
+    def config(self, src_config: dict[str, object], ctx: WriterContext) -> dict[str, object]:
+        raise NotImplementedError
+
+
+def split_names(ctx: WriterContext) -> tuple[str, str, str]:
+    """Per-expert (gate, up, down) names the architecture's vLLM loader maps (FORMATS.md §2.2)."""
+    if ctx.facts.model_type in ("mixtral", "minimax_m2", "minimax"):
+        return ("w1", "w3", "w2")
+    return ("gate_proj", "up_proj", "down_proj")
+
+
+def moe_split_specs(spec: UnitSpec, ctx: WriterContext, packed: str, scale: str) -> list[OutTensor]:
+    e_num, h, i = spec.dims
+    g, u, d = split_names(ctx)
+    bias_dtype = spec.extra.get("bias_dtype", "BF16")
+    out: list[OutTensor] = []
+    for e in range(e_num):
+        for proj, n, k in ((g, i, h), (u, i, h), (d, h, i)):
+            base = f"{spec.key}.{e}.{proj}"
+            out += [OutTensor(f"{base}.{packed}", "U8", (n, k // 2)), OutTensor(f"{base}.{scale}", "U8", (n, k // 32))]
+            if spec.has_bias:
+                out.append(OutTensor(f"{base}.bias", bias_dtype, (n,)))
+    return out
+
+
+def moe_split_encode(unit: MoELayer) -> list[torch.Tensor]:
+    e_num, two_i = unit.w13.packed.shape[0], unit.w13.packed.shape[1]
+    i = two_i // 2
+    out: list[torch.Tensor] = []
+    for e in range(e_num):
+        for w, b, rows in ((unit.w13, unit.w13_bias, slice(0, i)), (unit.w13, unit.w13_bias, slice(i, two_i)),
+                           (unit.w2, unit.w2_bias, slice(None))):
+            out += [w.packed[e, rows], w.scales[e, rows]]
+            if b is not None:
+                out.append(b[e, rows])
+    return out
+
+
+def moe_split_decode(spec: UnitSpec, ctx: WriterContext, get: Getter, packed: str, scale: str) -> MoELayer:
+    e_num = spec.dims[0]
+    g, u, d = split_names(ctx)
+
+    def stack(proj: str, suffix: str) -> torch.Tensor:
+        return torch.stack([get(f"{spec.key}.{e}.{proj}.{suffix}") for e in range(e_num)])
+
+    w13 = FP4Weight("mxfp4", torch.cat([stack(g, packed), stack(u, packed)], 1),
+                    torch.cat([stack(g, scale), stack(u, scale)], 1))
+    w2 = FP4Weight("mxfp4", stack(d, packed), stack(d, scale))
+    b13 = torch.cat([stack(g, "bias"), stack(u, "bias")], 1) if spec.has_bias else None
+    b2 = stack(d, "bias") if spec.has_bias else None
+    return MoELayer(spec.key, w13, w2, b13, b2)
+
+
+def dense_specs(spec: UnitSpec, packed: str, scale: str) -> list[OutTensor]:
+    n, k = spec.dims
+    out = [OutTensor(f"{spec.key}.{packed}", "U8", (n, k // 2)), OutTensor(f"{spec.key}.{scale}", "U8", (n, k // 32))]
+    if spec.has_bias:
+        out.append(OutTensor(f"{spec.key}.bias", spec.extra.get("bias_dtype", "BF16"), (n,)))
+    return out
+
+
+def dense_encode(unit: DenseFP4) -> list[torch.Tensor]:
+    out = [unit.weight.packed, unit.weight.scales]
+    return out + ([unit.bias] if unit.bias is not None else [])
+
+
+def dense_decode(spec: UnitSpec, get: Getter, packed: str, scale: str) -> DenseFP4:
+    bias = get(f"{spec.key}.bias") if spec.has_bias else None
+    return DenseFP4(spec.key, FP4Weight("mxfp4", get(f"{spec.key}.{packed}"), get(f"{spec.key}.{scale}")), bias)
+
+
+def dense_module_names(ctx: WriterContext) -> list[str]:
+    """Modules left unquantized that look like Linear layers (2-D ``.weight`` passthrough tensors)."""
+    fp4 = {u.key for u in ctx.units if u.kind != "passthrough"}
+    out = []
+    for name, (_, shape) in ctx.passthrough_dtypes.items():
+        if name.endswith(".weight") and len(shape) == 2:
+            module = name[: -len(".weight")]
+            if module not in fp4 and "embed" not in module:
+                out.append(module)
+    return sorted(set(out))
+
+
+def exact_ignore_list(ctx: WriterContext) -> list[str]:
+    """Exact names of every unquantized Linear-like module (portable across ct / Quark versions)."""
+    names = dense_module_names(ctx)
+    return names if "lm_head" in names else ([*names, "lm_head"] if _has_lm_head(ctx) else names)
+
+
+def _has_lm_head(ctx: WriterContext) -> bool:
+    return any(re.fullmatch(r"lm_head\.weight", n) for n in ctx.passthrough_dtypes)

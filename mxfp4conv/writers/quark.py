@@ -1,0 +1,115 @@
+"""``quark``: AMD Quark MXFP4 (FORMATS.md §5): ``P.weight`` uint8 + ``P.weight_scale`` uint8 (E8M0).
+
+For gpt_oss, experts use the per-expert fused names vLLM's ``_load_weights_quark`` expects
+(``mlp.experts.E.w13_weight`` with INTERLEAVED gate/up rows, ``w13_weight_scale``, ``w13_bias``,
+``w2_*``); other architectures use their split expert names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, MoELayer, UnitSpec
+from mxfp4conv.layouts.gpt_oss import deinterleave_rows, interleave_rows
+from mxfp4conv.writers.base import (
+    Getter,
+    OutTensor,
+    Target,
+    WriterContext,
+    dense_decode,
+    dense_encode,
+    dense_specs,
+    exact_ignore_list,
+    moe_split_decode,
+    moe_split_encode,
+    moe_split_specs,
+)
+
+QUARK_VERSION = "0.10"
+
+
+def quantization_config(ctx: WriterContext) -> dict[str, Any]:
+    weight = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "ch_axis": -1, "scale_format": "e8m0",
+              "scale_type": "float", "is_dynamic": False, "symmetric": None, "round_method": "half_even",
+              "observer_cls": "PerBlockMXObserver", "scale_calculation_mode": "even", "mx_element_dtype": None}
+    acts = None
+    if ctx.options.get("quark_activations", "mxfp4") == "mxfp4":
+        acts = {**weight, "is_dynamic": True}
+    return {
+        "quant_method": "quark",
+        "version": QUARK_VERSION,
+        "global_quant_config": {"weight": weight, "input_tensors": acts, "output_tensors": None, "bias": None,
+                                "target_device": None},
+        "layer_quant_config": {},
+        "layer_type_quant_config": {},
+        "exclude": exact_ignore_list(ctx),
+        "export": {"weight_format": "real_quantized", "pack_method": "reorder", "kv_cache_group": [],
+                   "min_kv_scale": 0.0, "weight_merge_groups": None},
+        "algo_config": None,
+        "quant_mode": "eager_mode",
+    }
+
+
+class QuarkTarget(Target):
+    NAME = "quark"
+
+    def _fused(self, ctx: WriterContext) -> bool:
+        return ctx.facts.model_type == "gpt_oss"
+
+    def out_specs(self, spec: UnitSpec, ctx: WriterContext) -> list[OutTensor]:
+        if spec.kind == "moe" and self._fused(ctx):
+            e_num, h, i = spec.dims
+            bias = spec.extra.get("bias_dtype", "BF16")
+            out: list[OutTensor] = []
+            for e in range(e_num):
+                p = f"{spec.key}.{e}"
+                out += [OutTensor(f"{p}.w13_weight", "U8", (2 * i, h // 2)),
+                        OutTensor(f"{p}.w13_weight_scale", "U8", (2 * i, h // 32))]
+                if spec.has_bias:
+                    out.append(OutTensor(f"{p}.w13_bias", bias, (2 * i,)))
+                out += [OutTensor(f"{p}.w2_weight", "U8", (h, i // 2)), OutTensor(f"{p}.w2_weight_scale", "U8", (h, i // 32))]
+                if spec.has_bias:
+                    out.append(OutTensor(f"{p}.w2_bias", bias, (h,)))
+            return out
+        if spec.kind == "moe":
+            return moe_split_specs(spec, ctx, "weight", "weight_scale")
+        if spec.kind == "dense":
+            return dense_specs(spec, "weight", "weight_scale")
+        return super().out_specs(spec, ctx)
+
+    def encode(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> list[torch.Tensor]:
+        if isinstance(unit, MoELayer) and self._fused(ctx):
+            w13p, w13s = interleave_rows(unit.w13.packed), interleave_rows(unit.w13.scales)
+            b13 = interleave_rows(unit.w13_bias) if unit.w13_bias is not None else None
+            out: list[torch.Tensor] = []
+            for e in range(w13p.shape[0]):
+                out += [w13p[e], w13s[e]] + ([b13[e]] if b13 is not None else [])
+                out += [unit.w2.packed[e], unit.w2.scales[e]] + ([unit.w2_bias[e]] if unit.w2_bias is not None else [])
+            return out
+        if isinstance(unit, MoELayer):
+            return moe_split_encode(unit)
+        if isinstance(unit, DenseFP4):
+            return dense_encode(unit)
+        return super().encode(unit, spec, ctx)
+
+    def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
+        if spec.kind == "moe" and self._fused(ctx):
+            e_num = spec.dims[0]
+
+            def stack(s: str) -> torch.Tensor:
+                return torch.stack([get(f"{spec.key}.{e}.{s}") for e in range(e_num)])
+
+            w13 = FP4Weight("mxfp4", deinterleave_rows(stack("w13_weight")), deinterleave_rows(stack("w13_weight_scale")))
+            w2 = FP4Weight("mxfp4", stack("w2_weight"), stack("w2_weight_scale"))
+            b13 = deinterleave_rows(stack("w13_bias")) if spec.has_bias else None
+            return MoELayer(spec.key, w13, w2, b13, stack("w2_bias") if spec.has_bias else None)
+        if spec.kind == "moe":
+            return moe_split_decode(spec, ctx, get, "weight", "weight_scale")
+        if spec.kind == "dense":
+            return dense_decode(spec, get, "weight", "weight_scale")
+        return super().decode(spec, ctx, get)
+
+    def config(self, src_config: dict[str, object], ctx: WriterContext) -> dict[str, object]:
+        return {**src_config, "quantization_config": quantization_config(ctx)}
