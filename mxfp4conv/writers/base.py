@@ -45,7 +45,22 @@ class Target:
     NAME = ""
 
     def refuse(self, ctx: WriterContext) -> str | None:
+        """Why this (source, target) pair makes no sense, or None."""
         return None
+
+    def ranks(self, ctx: WriterContext) -> list[int]:
+        """Tensor-parallel ranks written (one output folder each); runtime-native targets write one."""
+        return [0]
+
+    def rank_folder(self, rank: int, ctx: WriterContext) -> str:
+        return ""
+
+    def shard_metadata(self, ctx: WriterContext) -> dict[str, str]:
+        return {"format": "pt"}
+
+    def slice_for_rank(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> Canonical:
+        """The canonical part of ``unit`` a rank's output holds (all of it for single-rank targets)."""
+        return unit
 
     def out_specs(self, spec: UnitSpec, ctx: WriterContext) -> list[OutTensor]:
         dtype, shape = ctx.passthrough_dtypes[spec.key]

@@ -1,0 +1,34 @@
+"""Bring a unit read from any layout to the form a writer encodes: MXFP4 (or NVFP4 kept as is).
+
+NVFP4 weights are dequantized exactly and requantized to MXFP4 with the chosen scale rule
+(``requant``); MXFP4 weights pass unchanged. Returns per-tensor requant statistics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, MoELayer
+
+__all__ = ["to_mxfp4"]
+
+
+def _requant(w: FP4Weight, rule: str, device: str) -> tuple[FP4Weight, dict[str, Any]]:
+    from mxfp4conv.formats.mxfp4 import ScaleRule
+    from mxfp4conv.requant import requant_nvfp4_to_mxfp4
+
+    out, stats = requant_nvfp4_to_mxfp4(w, ScaleRule(rule), device=device)
+    return out, stats.to_dict()
+
+
+def to_mxfp4(unit: Canonical, *, rule: str, device: str) -> tuple[Canonical, dict[str, dict[str, Any]]]:
+    """The unit with every FP4 weight in MXFP4, and {"<key>.w13" | "<key>.w2" | "<module>": stats}."""
+    stats: dict[str, dict[str, Any]] = {}
+    if isinstance(unit, MoELayer) and unit.w13.quant == "nvfp4":
+        w13, stats[f"{unit.prefix}.w13"] = _requant(unit.w13, rule, device)
+        w2, stats[f"{unit.prefix}.w2"] = _requant(unit.w2, rule, device)
+        return MoELayer(unit.prefix, w13, w2, unit.w13_bias, unit.w2_bias), stats
+    if isinstance(unit, DenseFP4) and unit.weight.quant == "nvfp4":
+        w, stats[unit.module] = _requant(unit.weight, rule, device)
+        return DenseFP4(unit.module, w, unit.bias), stats
+    return unit, stats

@@ -1,0 +1,263 @@
+"""The command line: ``mxfp4conv inspect | convert | verify``. The only module importing click and rich.
+
+stdout carries data (one JSON document with --json); stderr carries people's output (tables,
+progress, errors). Errors are one line and an exit code; tracebacks only with --debug or
+MXFP4CONV_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from mxfp4conv import __version__
+from mxfp4conv.errors import EXIT_INTERNAL, ConvertError
+
+_err = Console(stderr=True, highlight=False, soft_wrap=True)
+_CTRL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _safe(text: object) -> str:
+    """Names come from untrusted files: strip control characters before printing them."""
+    return _CTRL.sub("?", str(text))
+
+
+def _fail(exc: BaseException, debug: bool) -> NoReturn:
+    if debug:
+        traceback.print_exc()
+    if isinstance(exc, ConvertError):
+        _err.print(f"[bold red]error:[/] {_safe(exc.one_line())}", markup=True)
+        sys.exit(exc.exit_code)
+    _err.print(f"[bold red]internal error:[/] {_safe(type(exc).__name__)}: {_safe(exc)} "
+               "(a bug in mxfp4conv; rerun with --debug and report it)", markup=True)
+    sys.exit(EXIT_INTERNAL)
+
+
+def _run(debug: bool, fn: Callable[[], int]) -> NoReturn:
+    debug = debug or os.environ.get("MXFP4CONV_DEBUG") == "1"
+    try:
+        code = fn()
+    except (ConvertError, Exception) as exc:
+        _fail(exc, debug)
+    sys.exit(code)
+
+
+def _emit_json(doc: dict[str, Any]) -> None:
+    click.echo(json.dumps(doc, indent=2, sort_keys=True))
+
+
+_size_units = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
+               "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _size_units:
+        raise click.BadParameter(f"{text!r} is not a size like 5GB, 500MB or 2GiB")
+    value = int(float(m.group(1)) * _size_units[m.group(2).upper()])
+    if value <= 0:
+        raise click.BadParameter("must be positive")
+    return value
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="mxfp4conv")
+def cli() -> None:
+    """Convert FP4 mixture-of-experts checkpoints into layouts runtimes load natively.
+
+    \b
+    Exit codes: 0 ok, 1 input rejected / unreadable / output problem, 2 usage,
+    3 verification failed (nothing published), 123 internal error.
+    """
+
+
+@cli.command("inspect")
+@click.argument("src")
+@click.option("--revision", default=None, help="Hugging Face revision (for a repo id SRC).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+def inspect_cmd(src: str, revision: str | None, as_json: bool, debug: bool) -> None:
+    """Describe an FP4 MoE checkpoint from its headers (no weight data is read).
+
+    \b
+    Examples:
+      mxfp4conv inspect ./Qwen3-30B-A3B-MXFP4A16
+      mxfp4conv inspect openai/gpt-oss-20b --json
+    """
+    from mxfp4conv.inspect import inspect_checkpoint
+
+    def run() -> int:
+        report = inspect_checkpoint(src, revision)
+        doc = report.to_dict()
+        if as_json:
+            _emit_json(doc)
+        else:
+            _render_inspect(doc)
+        return report.exit_code
+
+    _run(debug, run)
+
+
+def _render_inspect(doc: dict[str, Any]) -> None:
+    t = Table(title=f"mxfp4conv inspect: {_safe(doc['source'])}", show_header=False)
+    for key in ("layout", "model_type", "architecture", "scheme", "num_layers", "num_moe_layers", "num_experts",
+                "hidden_size", "intermediate_size", "num_dense_fp4_layers", "num_passthrough_tensors", "tensors"):
+        t.add_row(key, _safe(doc[key]))
+    t.add_row("total size", f"{doc['total_bytes'] / 1e9:.3f} GB in {len(doc['files'])} file(s)")
+    t.add_row("evidence", _safe("; ".join(doc["evidence"])))
+    t.add_row("targets", ", ".join(doc["targets"]) or "-")
+    _err.print(t)
+    for p in doc["problems"]:
+        _err.print(f"[red]problem:[/] {_safe(p['file'])}: {_safe(p['tensor'])}: {_safe(p['message'])}", markup=True)
+    if not doc["problems"]:
+        _err.print("[green]ok:[/] complete and consistent", markup=True)
+
+
+@cli.command("convert")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--to", "target", default="auto", show_default=True,
+              type=click.Choice(["auto", "ct", "quark", "gpt-oss", "marlin"]), help="Output layout.")
+@click.option("--scale-rule", default="mse", show_default=True, type=click.Choice(["mse", "even", "floor", "rceil"]),
+              help="E8M0 scale rule for NVFP4 -> MXFP4 requantization.")
+@click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | cuda:N (same bytes on all).")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard.")
+@click.option("--tp-size", default=1, show_default=True, type=click.IntRange(1, 64), help="Marlin: tensor-parallel size.")
+@click.option("--engine", default="vllm", show_default=True, type=click.Choice(["vllm", "sglang"]), help="Marlin: target engine.")
+@click.option("--keep-nvfp4", is_flag=True, help="Marlin: keep NVFP4 sources as NVFP4 (no requantization).")
+@click.option("--revision", default=None, help="Hugging Face revision (for a repo id SRC).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing DST (atomically).")
+@click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
+@click.option("--no-verify", is_flag=True, help="Skip the post-write verification.")
+@click.option("--skip-if-current", is_flag=True, help="Do nothing if DST's manifest matches this input and these options.")
+@click.option("--json", "as_json", is_flag=True, help="Print the final report as one JSON document on stdout.")
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, max_shard_size: str, tp_size: int,
+                engine: str, keep_nvfp4: bool, revision: str | None, overwrite: bool, dry_run: bool, no_verify: bool,
+                skip_if_current: bool, as_json: bool, debug: bool) -> None:
+    """Convert SRC (folder or HF repo id) into DST; verified before it appears.
+
+    \b
+    Examples:
+      mxfp4conv convert ./Qwen3-30B-A3B-MXFP4A16 ./out --to ct
+      mxfp4conv convert ./gpt-oss-20b ./gpt-oss-20b-quark --to quark --json
+      mxfp4conv convert ./Qwen3-30B-A3B-NVFP4 ./out --to ct --scale-rule mse --device cuda
+      mxfp4conv convert ./src ./out --dry-run
+    """
+    from mxfp4conv.pipeline import ConvertOptions, convert
+
+    def run() -> int:
+        extra = {"tp_size": str(tp_size), "engine": engine}
+        if keep_nvfp4:
+            extra["keep_nvfp4"] = "1"
+        opts = ConvertOptions(target=target, scale_rule=scale_rule, device=_device(device),
+                              max_shard_size=parse_size(max_shard_size), overwrite=overwrite, dry_run=dry_run,
+                              verify=not no_verify, skip_if_current=skip_if_current, revision=revision, extra=extra)
+        progress = None if as_json or not sys.stderr.isatty() else _progress_bar()
+        try:
+            report = convert(src, dst, opts, on_progress=progress)
+        finally:
+            if progress:
+                progress(-1, -1)
+        doc = report.to_dict()
+        if as_json:
+            _emit_json(doc)
+        else:
+            _render_convert(doc)
+        return 0
+
+    _run(debug, run)
+
+
+def _device(name: str) -> str:
+    if name == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise click.BadParameter(f"{name!r}: use auto, cpu, cuda or cuda:N", param_hint="--device")
+    return name
+
+
+def _progress_bar() -> Callable[[int, int], None]:
+    from tqdm import tqdm
+
+    bar: list[Any] = []
+
+    def update(done: int, total: int) -> None:
+        if done < 0:
+            if bar:
+                bar[0].close()
+            return
+        if not bar:
+            bar.append(tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, file=sys.stderr,
+                            desc="converting", dynamic_ncols=True))
+        bar[0].update(done - bar[0].n)
+
+    return update
+
+
+def _render_convert(doc: dict[str, Any]) -> None:
+    if doc["status"] == "skipped":
+        _err.print(f"[green]up to date:[/] {_safe(doc['destination'])} already matches this input and these options",
+                   markup=True)
+        return
+    t = Table(title=f"{doc['layout']} -> {doc['target']}" + (" (dry run: nothing written)" if doc["status"] == "dry-run" else ""))
+    t.add_column("shard")
+    t.add_column("tensors", justify="right")
+    t.add_column("bytes", justify="right")
+    for s in doc["shards"]:
+        t.add_row(_safe(s["file"]), str(s["tensors"]), f"{s['bytes']:,}")
+    _err.print(t)
+    _err.print(f"MoE layers fused: {doc['fused_layers']}, FP4 units requantized: {doc['requantized']}, "
+               f"tensors renamed: {doc['renamed']}, passed through: {doc['passthrough']}")
+    for name, st in sorted(doc["requant_stats"].items())[:20]:
+        sq = st.get("sqnr_db")
+        _err.print(f"  {_safe(name)}: SQNR {sq if sq is None else round(sq, 2)} dB, clipped {st.get('clipped_share', 0):.3%}")
+    if doc["status"] == "converted":
+        v = doc.get("verify")
+        _err.print(f"[green]done:[/] {_safe(doc['destination'])} ({doc['bytes_written']:,} bytes, "
+                   f"{doc['seconds'].get('total', 0):.1f} s)" + (", verified" if v and v.get("ok") else ", NOT verified"),
+                   markup=True)
+
+
+@cli.command("verify")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--device", default="auto", show_default=True, help="Device for recomputing requantized tensors.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON document on stdout.")
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+def verify_cmd(src: str, dst: str, device: str, as_json: bool, debug: bool) -> None:
+    """Prove DST (written by convert) against SRC, byte for byte; exit 3 on any difference."""
+    from mxfp4conv.verify import verify_output
+
+    def run() -> int:
+        report = verify_output(src, dst, raise_on_failure=False, device=_device(device))
+        doc = report.to_dict()
+        if as_json:
+            _emit_json(doc)
+        elif report.ok:
+            _err.print(f"[green]verified:[/] {report.units} units, {report.tensors} tensors match", markup=True)
+        else:
+            for m in report.mismatches:
+                _err.print(f"[red]mismatch:[/] {_safe(m['tensor'])}: {_safe(m['message'])}", markup=True)
+        return report.exit_code
+
+    _run(debug, run)
+
+
+def main() -> None:
+    cli(prog_name="mxfp4conv")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""``convert``: resolve -> detect -> validate -> plan -> (dry run) -> stream units -> verify -> publish.
+
+No click, no rich, no print: progress goes through the ``on_progress(bytes_done, bytes_total)``
+callback and the result is a ``ConvertReport``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mxfp4conv import __version__
+from mxfp4conv.canonicalize import to_mxfp4
+from mxfp4conv.errors import InputError, UsageError
+from mxfp4conv.inspect import SCHEMA_VERSION, analyze, writer_context
+from mxfp4conv.io.atomic import check_destination, publish, remove_tree, staging_path
+from mxfp4conv.io.checkpoint import PICKLE_SUFFIXES, Checkpoint, open_checkpoint
+from mxfp4conv.io.safetensors_io import st_dtype, write_safetensors
+from mxfp4conv.layouts.base import Plan
+from mxfp4conv.writers import OutTensor, Target, WriterContext, get_target, resolve_auto
+from mxfp4conv.writers.base import UnitSpec
+
+__all__ = ["MANIFEST", "ConvertOptions", "ConvertReport", "convert"]
+
+MANIFEST = "mxfp4conv.json"
+GB = 1000**3
+_SKIP_FILES = {"config.json", "model.safetensors.index.json", "hf_quant_config.json", MANIFEST}
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    target: str = "auto"
+    scale_rule: str = "mse"
+    device: str = "cpu"
+    max_shard_size: int = 5 * GB
+    overwrite: bool = False
+    dry_run: bool = False
+    verify: bool = True
+    skip_if_current: bool = False
+    revision: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)  # target options (tp_size, engine, ...)
+
+    def fingerprint_dict(self) -> dict[str, Any]:
+        return {"target": self.target, "scale_rule": self.scale_rule, "max_shard_size": self.max_shard_size,
+                "extra": dict(sorted(self.extra.items()))}
+
+
+@dataclass
+class ConvertReport:
+    source: str
+    destination: str
+    layout: str
+    target: str
+    status: str  # "converted" | "dry-run" | "skipped"
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    renamed: int = 0
+    fused_layers: int = 0
+    requantized: int = 0
+    passthrough: int = 0
+    bytes_written: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    verify: dict[str, Any] | None = None
+    requant_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    exit_code = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["schema_version"] = SCHEMA_VERSION
+        return d
+
+
+@dataclass
+class _ShardPlan:
+    folder: str  # "" or "rank-N"
+    file: str
+    units: list[UnitSpec]
+    tensors: list[OutTensor]
+
+    @property
+    def nbytes(self) -> int:
+        from mxfp4conv.io.safetensors_io import DTYPES
+
+        return sum(DTYPES[t.dtype][1] * _prod(t.shape) for t in self.tensors)
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def source_fingerprint(ckpt: Checkpoint) -> dict[str, Any]:
+    """Hashes identifying the source: full sha256 of JSON files, header sha256 + size of shards."""
+    out: dict[str, Any] = {}
+    for name in ("config.json", "hf_quant_config.json", "model.safetensors.index.json"):
+        if (ckpt.root / name).exists():
+            out[name] = {"sha256": _sha256(ckpt.root / name)}
+    for f in ckpt.shard_files:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            head = fh.read(n)
+        out[ckpt.rel(f)] = {"size": f.stat().st_size, "header_sha256": hashlib.sha256(head).hexdigest()}
+    return out
+
+
+def plan_shards(target: Target, ctx: WriterContext, plan: Plan, max_bytes: int, folder: str) -> list[_ShardPlan]:
+    """Whole units per shard, in plan order; a new shard starts when the next unit would overflow."""
+    shards: list[_ShardPlan] = []
+    cur: _ShardPlan | None = None
+    for spec in plan.units:
+        outs = target.out_specs(spec, ctx)
+        size = sum(_prod(t.shape) * _itemsize(t.dtype) for t in outs)
+        if cur is None or (cur.tensors and cur.nbytes + size > max_bytes):
+            cur = _ShardPlan(folder, "", [], [])
+            shards.append(cur)
+        cur.units.append(spec)
+        cur.tensors.extend(outs)
+    n = len(shards)
+    for i, s in enumerate(shards):
+        s.file = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+    return shards
+
+
+def _itemsize(dtype: str) -> int:
+    from mxfp4conv.io.safetensors_io import DTYPES
+
+    return DTYPES[dtype][1]
+
+
+def _encode_shard(shard: _ShardPlan, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext,
+                  opts: ConvertOptions, report: ConvertReport, on_progress: Progress | None,
+                  done: list[int], total: int) -> Iterator[torch.Tensor]:
+    for spec in shard.units:
+        t0 = time.perf_counter()
+        unit = layout.read(ckpt, spec)
+        t1 = time.perf_counter()
+        if ctx.options.get("keep_nvfp4") != "1":
+            unit, stats = to_mxfp4(unit, rule=opts.scale_rule, device=opts.device)
+            report.requant_stats.update(stats)
+        _validate_mx(unit, spec, ckpt)
+        outs = target.encode(unit, spec, ctx)
+        expect = target.out_specs(spec, ctx)
+        t2 = time.perf_counter()
+        report.seconds["read"] = report.seconds.get("read", 0.0) + t1 - t0
+        report.seconds["transform"] = report.seconds.get("transform", 0.0) + t2 - t1
+        for o, t in zip(expect, outs, strict=True):
+            if st_dtype(t.dtype) != o.dtype or tuple(t.shape) != o.shape:
+                raise AssertionError(f"{o.name}: encoded {st_dtype(t.dtype)}{list(t.shape)}, planned {o.dtype}{list(o.shape)}")
+            done[0] += t.numel() * t.element_size()
+            yield t
+        if on_progress:
+            on_progress(done[0], total)
+
+
+def _validate_mx(unit: Any, spec: UnitSpec, ckpt: Checkpoint) -> None:
+    """E8M0 0xFF (NaN) scales are invalid input: name the tensor."""
+    from mxfp4conv.canonical import DenseFP4, MoELayer
+
+    weights = []
+    if isinstance(unit, MoELayer):
+        weights = [("w13", unit.w13), ("w2", unit.w2)]
+    elif isinstance(unit, DenseFP4):
+        weights = [("weight", unit.weight)]
+    for label, w in weights:
+        if w.quant == "mxfp4" and bool((w.scales == 0xFF).any()):
+            bad = [s for s in spec.sources if s.endswith(("scale", "scales"))]
+            name = _first_bad_scale(ckpt, bad) or f"{spec.key} ({label})"
+            raise InputError("E8M0 scale byte 0xFF (NaN) is not a valid MXFP4 scale", tensor=name,
+                             file=ckpt.rel(ckpt.tensors[bad[0]].file) if bad else str(ckpt.root),
+                             hint="the checkpoint is corrupt; re-export it")
+
+
+def _first_bad_scale(ckpt: Checkpoint, names: list[str]) -> str | None:
+    for n in names:
+        ref = ckpt.tensors[n]
+        if ref.dtype == "U8" and bool((ref.load() == 0xFF).any()):
+            return n
+    return None
+
+
+def _copy_extras(src: Path, dst: Path, drop_hqc: bool) -> list[str]:
+    copied = []
+    for p in sorted(src.iterdir()):
+        if not p.is_file() or p.name in _SKIP_FILES or p.suffix == ".safetensors" or p.suffix in PICKLE_SUFFIXES:
+            continue
+        shutil.copyfile(p, dst / p.name)
+        copied.append(p.name)
+    if not drop_hqc and (src / "hf_quant_config.json").exists():
+        shutil.copyfile(src / "hf_quant_config.json", dst / "hf_quant_config.json")
+    return copied
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
+
+
+def prepare(src: str | Path, opts: ConvertOptions) -> tuple[Checkpoint, Any, Plan, Target, WriterContext]:
+    ckpt = open_checkpoint(src, opts.revision)
+    layout, plan, _ = analyze(ckpt)
+    if plan.problems:
+        p = plan.problems[0]
+        more = f" (and {len(plan.problems) - 1} more; run mxfp4conv inspect)" if len(plan.problems) > 1 else ""
+        raise InputError(p.message + more, file=p.file, tensor=p.tensor or None)
+    name = resolve_auto(plan.facts.model_type) if opts.target == "auto" else opts.target
+    target = get_target(name)
+    ctx = writer_context(plan, ckpt, {**opts.extra, "target": name, "scale_rule": opts.scale_rule})
+    why = target.refuse(ctx)
+    if why:
+        raise UsageError(f"cannot convert {plan.layout} ({plan.facts.model_type}) to --to {name}: {why}")
+    return ckpt, layout, plan, target, ctx
+
+
+def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress: Progress | None = None) -> ConvertReport:
+    """Convert SRC into DST (see module docstring). Raises ``ConvertError`` subclasses."""
+    t_start = time.perf_counter()
+    ckpt, layout, plan, target, ctx = prepare(src, opts)
+    dst = Path(dst)
+    report = ConvertReport(str(src), str(dst), plan.layout, target.NAME, "dry-run" if opts.dry_run else "converted")
+    fingerprint = {"tool": __version__, "source": source_fingerprint(ckpt), "options": opts.fingerprint_dict()}
+    if opts.skip_if_current and (dst / MANIFEST).exists():
+        try:
+            old = json.loads((dst / MANIFEST).read_text())
+        except (OSError, ValueError):
+            old = {}
+        if old.get("fingerprint") == fingerprint:
+            report.status = "skipped"
+            report.seconds["total"] = time.perf_counter() - t_start
+            return report
+    check_destination(ckpt.root, dst, overwrite=opts.overwrite or opts.skip_if_current)
+
+    ranks = target.ranks(ctx)
+    shard_plans: list[tuple[str, WriterContext, list[_ShardPlan]]] = []
+    for r in ranks:
+        rctx = dataclasses.replace(ctx, options={**ctx.options, "tp_rank": str(r)})
+        folder = target.rank_folder(r, rctx)
+        shard_plans.append((folder, rctx, plan_shards(target, rctx, plan, opts.max_shard_size, folder)))
+    _fill_plan_report(report, plan, target, ctx, shard_plans)
+    if opts.dry_run:
+        report.seconds["total"] = time.perf_counter() - t_start
+        return report
+
+    staging = staging_path(dst)
+    remove_tree(staging)
+    staging.mkdir()
+    try:
+        outputs = _write_all(ckpt, layout, target, plan, shard_plans, staging, opts, report, on_progress)
+        if opts.verify:
+            from mxfp4conv.verify import verify_output
+
+            t0 = time.perf_counter()
+            report.verify = verify_output(ckpt.root, staging, manifest_opts=opts, _prepared=(ckpt, layout, plan, target, ctx)).to_dict()
+            report.seconds["verify"] = time.perf_counter() - t0
+        manifest = {"schema_version": SCHEMA_VERSION, "tool": "mxfp4conv", "version": __version__,
+                    "source": {"name": Path(str(src)).name, "repo_id": ckpt.repo_id, "revision": ckpt.revision,
+                               "layout": plan.layout, "files": fingerprint["source"]},
+                    "target": target.NAME, "options": opts.fingerprint_dict() | {"device_independent": True},
+                    "fingerprint": fingerprint, "outputs": outputs, "requant_stats": report.requant_stats,
+                    "verified": bool(report.verify and report.verify.get("ok"))}
+        (staging / MANIFEST).write_bytes(_json_bytes(manifest))
+        publish(staging, dst)
+    except BaseException:
+        remove_tree(staging)
+        raise
+    report.seconds["total"] = time.perf_counter() - t_start
+    return report
+
+
+def _fill_plan_report(report: ConvertReport, plan: Plan, target: Target, ctx: WriterContext,
+                      shard_plans: list[tuple[str, WriterContext, list[_ShardPlan]]]) -> None:
+    kinds = [u.kind for u in plan.units]
+    report.fused_layers = kinds.count("moe")
+    report.passthrough = kinds.count("passthrough")
+    report.requantized = 0 if plan.facts.source_quant == "mxfp4" or ctx.options.get("keep_nvfp4") == "1" else (
+        kinds.count("moe") + kinds.count("dense"))
+    report.renamed = sum(len(target.out_specs(u, ctx)) for u in plan.units if u.kind != "passthrough")
+    for folder, _, shards in shard_plans:
+        for s in shards:
+            report.shards.append({"file": f"{folder}/{s.file}" if folder else s.file, "bytes": s.nbytes,
+                                  "tensors": len(s.tensors), "units": len(s.units)})
+
+
+def _write_all(ckpt: Checkpoint, layout: Any, target: Target, plan: Plan,
+               shard_plans: list[tuple[str, WriterContext, list[_ShardPlan]]], staging: Path, opts: ConvertOptions,
+               report: ConvertReport, on_progress: Progress | None) -> dict[str, str]:
+    outputs: dict[str, str] = {}
+    total = sum(s.nbytes for _, _, shards in shard_plans for s in shards)
+    done = [0]
+    for folder, rctx, shards in shard_plans:
+        out_dir = staging / folder if folder else staging
+        out_dir.mkdir(exist_ok=True)
+        wmap: dict[str, str] = {}
+        for shard in shards:
+            t0 = time.perf_counter()
+            entries = [(t.name, t.dtype, t.shape) for t in shard.tensors]
+            meta = target.shard_metadata(rctx)
+            digest = write_safetensors(out_dir / shard.file, entries,
+                                       _encode_shard(shard, ckpt, layout, target, rctx, opts, report, on_progress, done, total),
+                                       meta)
+            rel = f"{folder}/{shard.file}" if folder else shard.file
+            outputs[rel] = digest
+            wmap.update(dict.fromkeys((t.name for t in shard.tensors), shard.file))
+            report.seconds["write"] = report.seconds.get("write", 0.0) + time.perf_counter() - t0
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": dict(sorted(wmap.items()))}
+            (out_dir / "model.safetensors.index.json").write_bytes(_json_bytes(index))
+        (out_dir / "config.json").write_bytes(_json_bytes(target.config(ckpt.config, rctx)))
+        _copy_extras(ckpt.root, out_dir, drop_hqc=plan.layout != "modelopt-nvfp4" or rctx.options.get("keep_nvfp4") != "1")
+        for p in sorted(out_dir.iterdir()):
+            rel = f"{folder}/{p.name}" if folder else p.name
+            if p.is_file() and rel not in outputs:
+                outputs[rel] = _sha256(p)
+    report.seconds["write"] = report.seconds.get("write", 0.0) - report.seconds.get("read", 0.0) - report.seconds.get("transform", 0.0)
+    report.bytes_written = done[0]
+    return dict(sorted(outputs.items()))

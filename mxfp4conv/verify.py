@@ -1,0 +1,149 @@
+"""``verify``: re-read DST and prove it against SRC.
+
+Every output unit is decoded back to the canonical model with the target's ``decode`` and
+compared byte for byte with what SRC yields: for MXFP4 sources the source codes and scales
+themselves; for NVFP4 sources the chosen scale rule recomputed from SRC (so DST must hold exactly
+those bytes). Passthrough tensors must be byte-identical. The tensor set, dtypes and shapes must
+match the plan exactly (nothing missing, nothing extra).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mxfp4conv.canonical import Canonical, DenseFP4, MoELayer, Passthrough
+from mxfp4conv.canonicalize import to_mxfp4
+from mxfp4conv.errors import InputError, VerificationFailed
+from mxfp4conv.io.checkpoint import open_checkpoint
+
+__all__ = ["VerifyReport", "compare_units", "verify_output"]
+
+MAX_SHOWN = 5
+
+
+@dataclass
+class VerifyReport:
+    source: str
+    destination: str
+    target: str
+    units: int = 0
+    tensors: int = 0
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 3
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["ok"] = self.ok
+        d["schema_version"] = 1
+        return d
+
+
+def _diff(name: str, want: torch.Tensor | None, got: torch.Tensor | None) -> dict[str, Any] | None:
+    if want is None and got is None:
+        return None
+    if want is None or got is None:
+        return {"tensor": name, "message": "present in one side only"}
+    if want.dtype != got.dtype or tuple(want.shape) != tuple(got.shape):
+        return {"tensor": name, "message": f"expected {want.dtype}{list(want.shape)}, found {got.dtype}{list(got.shape)}"}
+    a = want.contiguous().reshape(-1).view(torch.uint8)
+    b = got.contiguous().reshape(-1).view(torch.uint8)
+    if torch.equal(a, b):
+        return None
+    bad = (a != b).nonzero()
+    return {"tensor": name, "message": f"{bad.numel()} of {a.numel()} bytes differ, first at byte {int(bad[0])}",
+            "differing_bytes": int(bad.numel())}
+
+
+def compare_units(want: Canonical, got: Canonical) -> list[dict[str, Any]]:
+    """Byte-level differences between two canonical units (empty when identical)."""
+    pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = []
+    if isinstance(want, MoELayer) and isinstance(got, MoELayer):
+        k = want.prefix
+        for label, a, b in (("w13", want.w13, got.w13), ("w2", want.w2, got.w2)):
+            pairs += [(f"{k}.{label} codes", a.packed, b.packed), (f"{k}.{label} scales", a.scales, b.scales)]
+            if a.global_rows is not None or b.global_rows is not None:
+                pairs.append((f"{k}.{label} global scale", a.global_rows, b.global_rows))
+        pairs += [(f"{k}.w13 bias", want.w13_bias, got.w13_bias), (f"{k}.w2 bias", want.w2_bias, got.w2_bias)]
+    elif isinstance(want, DenseFP4) and isinstance(got, DenseFP4):
+        k = want.module
+        pairs += [(f"{k} codes", want.weight.packed, got.weight.packed), (f"{k} scales", want.weight.scales, got.weight.scales),
+                  (f"{k} bias", want.bias, got.bias)]
+    elif isinstance(want, Passthrough) and isinstance(got, Passthrough):
+        pairs.append((want.name, want.tensor, got.tensor))
+    else:
+        return [{"tensor": getattr(want, "prefix", getattr(want, "name", "?")), "message": "unit kinds differ"}]
+    return [d for n, a, b in pairs if (d := _diff(n, a, b))]
+
+
+def _manifest(dst: Path) -> dict[str, Any]:
+    path = dst / "mxfp4conv.json"
+    if not path.exists():
+        raise InputError("no mxfp4conv.json manifest: DST was not written by mxfp4conv convert", file=str(path),
+                         hint="run mxfp4conv convert first, or pass the folder it wrote")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise InputError(f"manifest is not valid JSON ({exc})", file=str(path)) from exc
+    return data if isinstance(data, dict) else {}
+
+
+def verify_output(src: str | Path, dst: str | Path, *, manifest_opts: Any = None, _prepared: Any = None,
+                  raise_on_failure: bool = True, device: str = "cpu") -> VerifyReport:
+    """Compare DST with SRC; raises ``VerificationFailed`` (exit 3) on any difference."""
+    from mxfp4conv.pipeline import ConvertOptions, prepare
+
+    dst = Path(dst)
+    if manifest_opts is None:
+        m = _manifest(dst)
+        o = m.get("options", {})
+        manifest_opts = ConvertOptions(target=m.get("target", "auto"), scale_rule=o.get("scale_rule", "mse"),
+                                       extra=dict(o.get("extra", {})), device=device)
+    opts = manifest_opts
+    ckpt, layout, plan, target, ctx = _prepared or prepare(src, opts)
+    report = VerifyReport(str(src), str(dst), target.NAME)
+    for r in target.ranks(ctx):
+        rctx = dataclasses.replace(ctx, options={**ctx.options, "tp_rank": str(r)})
+        folder = target.rank_folder(r, rctx)
+        out = open_checkpoint(dst / folder if folder else dst)
+        planned = {t.name: t for u in plan.units for t in target.out_specs(u, rctx)}
+        for name in sorted(set(out.tensors) - set(planned))[:MAX_SHOWN]:
+            report.mismatches.append({"tensor": name, "message": "unexpected tensor in output"})
+        for name, t in planned.items():
+            ref = out.tensors.get(name)
+            if ref is None:
+                report.mismatches.append({"tensor": name, "message": "missing from output"})
+            elif ref.dtype != t.dtype or ref.shape != t.shape:
+                report.mismatches.append({"tensor": name, "message": f"output is {ref.dtype}{list(ref.shape)}, "
+                                                                     f"expected {t.dtype}{list(t.shape)}"})
+        if report.mismatches:
+            break
+        for spec in plan.units:
+            want = layout.read(ckpt, spec)
+            if ctx.options.get("keep_nvfp4") != "1":
+                want, _ = to_mxfp4(want, rule=opts.scale_rule, device=opts.device)
+            want = target.slice_for_rank(want, spec, rctx)
+            got = target.decode(spec, rctx, lambda n: out.tensors[n].load())
+            report.units += 1
+            report.tensors += len(target.out_specs(spec, rctx))
+            report.mismatches.extend(compare_units(want, got))
+            if len(report.mismatches) >= MAX_SHOWN:
+                break
+    if not report.ok and raise_on_failure:
+        first = report.mismatches[0]
+        raise VerificationFailed(f"output differs from source: {first['message']} ({len(report.mismatches)} "
+                                 "mismatching tensors shown in --json)", file=str(dst), tensor=first["tensor"],
+                                 hint="nothing was published; report this with the --json output")
+    return report
