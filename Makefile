@@ -1,0 +1,56 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO := demo-out
+
+.PHONY: demo test test-slow test-gpu test-all lint fmt bench clean env
+
+env: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned: this machine's disk holds the CPU build of 2.13.0; a looser pin pulls a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	rm -rf $(DEMO)
+	$(BIN)/python examples/tiny.py $(DEMO)/src
+	set -e; for l in ct-mxfp4 gpt-oss modelopt-nvfp4 ct-nvfp4; do \
+	  $(BIN)/mxfp4conv inspect $(DEMO)/src/$$l; \
+	  $(BIN)/mxfp4conv convert $(DEMO)/src/$$l $(DEMO)/$$l-auto --device cpu; \
+	  $(BIN)/mxfp4conv convert $(DEMO)/src/$$l $(DEMO)/$$l-quark --to quark --device cpu; \
+	  $(BIN)/mxfp4conv verify $(DEMO)/src/$$l $(DEMO)/$$l-quark --device cpu; \
+	done
+	$(BIN)/mxfp4conv convert $(DEMO)/src/gpt-oss $(DEMO)/gpt-oss-marlin --to marlin --device cpu
+	$(BIN)/mxfp4conv verify $(DEMO)/src/gpt-oss $(DEMO)/gpt-oss-marlin --device cpu
+	@echo "demo ok: outputs in $(DEMO)/"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -m gpu
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+fmt: $(STAMP)
+	$(BIN)/ruff check --fix .
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(DEMO) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info

@@ -1,0 +1,223 @@
+"""End-to-end: inspect, convert, verify on the builders' checkpoints, through the public CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from tiny import build
+
+from mxfp4conv.cli import cli
+
+LAYOUTS = ["ct-mxfp4", "gpt-oss", "modelopt-nvfp4", "ct-nvfp4"]
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    res = CliRunner().invoke(cli, list(args))
+    return res.exit_code, res.stdout, res.stderr
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
+                out[k] = fh.get_tensor(k)
+    return out
+
+
+@pytest.fixture(scope="module")
+def srcs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("src")
+    return {layout: build(layout, root / layout, shards=3) for layout in LAYOUTS}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_inspect_json(srcs: dict[str, Path], layout: str) -> None:
+    code, out, _ = run("inspect", str(srcs[layout]), "--json")
+    assert code == 0, out
+    doc = json.loads(out)
+    assert doc["layout"] == layout
+    assert doc["schema_version"] == 1
+    assert doc["model_type"] == ("gpt_oss" if layout == "gpt-oss" else "qwen3_moe")
+    assert (doc["num_layers"], doc["num_moe_layers"], doc["num_experts"]) == (2, 2, 4)
+    assert (doc["hidden_size"], doc["intermediate_size"]) == (64, 32)
+    assert doc["scheme"] == ("w4a4" if layout == "modelopt-nvfp4" else "w4a16")
+    assert doc["problems"] == []
+    assert len(doc["files"]) == 3
+    expected = {"gpt-oss": {"gpt-oss", "quark", "marlin"}}.get(layout, {"ct", "quark", "marlin"})
+    assert set(doc["targets"]) == expected
+    assert doc["total_bytes"] == sum(p.stat().st_size for p in srcs[layout].glob("*.safetensors")) - sum(
+        8 + int.from_bytes(p.read_bytes()[:8], "little") for p in srcs[layout].glob("*.safetensors"))
+
+
+def test_ct_roundtrip_is_byte_identical(srcs: dict[str, Path], tmp_path: Path) -> None:
+    """ct -> canonical -> ct: every tensor keeps its name and bytes."""
+    code, _, err = run("convert", str(srcs["ct-mxfp4"]), str(tmp_path / "out"), "--to", "ct")
+    assert code == 0, err
+    a, b = tensors(srcs["ct-mxfp4"]), tensors(tmp_path / "out")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+    cfg_a = json.loads((srcs["ct-mxfp4"] / "config.json").read_text())
+    cfg_b = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg_a == cfg_b
+
+
+def test_gpt_oss_roundtrip_is_byte_identical(srcs: dict[str, Path], tmp_path: Path) -> None:
+    code, _, err = run("convert", str(srcs["gpt-oss"]), str(tmp_path / "out"))  # auto -> gpt-oss
+    assert code == 0, err
+    a, b = tensors(srcs["gpt-oss"]), tensors(tmp_path / "out")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+
+
+def test_gpt_oss_to_quark_interleaves_per_expert(srcs: dict[str, Path], tmp_path: Path) -> None:
+    code, _, err = run("convert", str(srcs["gpt-oss"]), str(tmp_path / "q"), "--to", "quark")
+    assert code == 0, err
+    a, b = tensors(srcs["gpt-oss"]), tensors(tmp_path / "q")
+    p = "model.layers.1.mlp.experts"
+    blocks = a[f"{p}.gate_up_proj_blocks"]
+    for e in range(4):
+        assert torch.equal(b[f"{p}.{e}.w13_weight"], blocks[e].reshape(64, 32)), e  # rows stay interleaved
+        assert torch.equal(b[f"{p}.{e}.w13_weight_scale"], a[f"{p}.gate_up_proj_scales"][e])
+        assert torch.equal(b[f"{p}.{e}.w2_bias"].view(torch.int16), a[f"{p}.down_proj_bias"][e].view(torch.int16))
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "quark"
+    assert cfg["global_quant_config"]["weight"]["scale_format"] == "e8m0"
+
+
+def test_ct_to_quark_renames(srcs: dict[str, Path], tmp_path: Path) -> None:
+    code, _, err = run("convert", str(srcs["ct-mxfp4"]), str(tmp_path / "q"), "--to", "quark")
+    assert code == 0, err
+    a, b = tensors(srcs["ct-mxfp4"]), tensors(tmp_path / "q")
+    m = "model.layers.0.mlp.experts.3.down_proj"
+    assert torch.equal(b[f"{m}.weight"], a[f"{m}.weight_packed"])
+    assert torch.equal(b[f"{m}.weight_scale"], a[f"{m}.weight_scale"])
+    assert not any(k.endswith("weight_packed") for k in b)
+    excl = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["exclude"]
+    assert "lm_head" in excl and "model.layers.0.mlp.gate" in excl and "model.layers.1.self_attn.q_proj" in excl
+
+
+@pytest.mark.parametrize(("layout", "target", "why"), [
+    ("gpt-oss", "ct", "GPT-OSS loader"),
+    ("ct-mxfp4", "gpt-oss", "model_type gpt_oss"),
+])
+def test_nonsense_pairs_refused(srcs: dict[str, Path], tmp_path: Path, layout: str, target: str, why: str) -> None:
+    code, out, err = run("convert", str(srcs[layout]), str(tmp_path / "o"), "--to", target)
+    assert code == 1
+    assert why in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_dry_run_writes_nothing(srcs: dict[str, Path], tmp_path: Path) -> None:
+    code, out, _ = run("convert", str(srcs["ct-mxfp4"]), str(tmp_path / "o"), "--dry-run", "--json",
+                       "--max-shard-size", "40KB")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["status"] == "dry-run" and len(doc["shards"]) > 1
+    assert doc["fused_layers"] == 2 and doc["passthrough"] > 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sharding_and_index(srcs: dict[str, Path], tmp_path: Path) -> None:
+    code, out, _ = run("convert", str(srcs["ct-mxfp4"]), str(tmp_path / "o"), "--max-shard-size", "40KB", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    index = json.loads((tmp_path / "o" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == sorted(s["file"] for s in doc["shards"]) and len(files) > 1
+    assert all(s["bytes"] <= 40_000 or s["units"] == 1 for s in doc["shards"])
+    assert set(index["weight_map"]) == set(tensors(tmp_path / "o"))
+    manifest = json.loads((tmp_path / "o" / "mxfp4conv.json").read_text())
+    assert set(manifest["outputs"]) == {p.name for p in (tmp_path / "o").iterdir()} - {"mxfp4conv.json"}
+    for name, digest in manifest["outputs"].items():
+        assert hashlib.sha256((tmp_path / "o" / name).read_bytes()).hexdigest() == digest
+    assert (tmp_path / "o" / "tokenizer_config.json").exists() and (tmp_path / "o" / "generation_config.json").exists()
+
+
+def test_reruns_are_byte_identical_and_skip_if_current(srcs: dict[str, Path], tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        assert run("convert", str(srcs["modelopt-nvfp4"]), str(tmp_path / name), "--to", "ct", "--device", "cpu")[0] == 0
+    ha, hb = tree_hashes(tmp_path / "a"), tree_hashes(tmp_path / "b")
+    assert ha == hb
+    for p in (tmp_path / "a").rglob("*"):
+        assert str(tmp_path).encode() not in p.read_bytes(), p  # no absolute paths inside outputs
+    code, out, _ = run("convert", str(srcs["modelopt-nvfp4"]), str(tmp_path / "a"), "--to", "ct", "--device", "cpu",
+                       "--skip-if-current", "--json")
+    assert code == 0 and json.loads(out)["status"] == "skipped"
+    code, out, _ = run("convert", str(srcs["modelopt-nvfp4"]), str(tmp_path / "a"), "--to", "ct", "--device", "cpu",
+                       "--scale-rule", "even", "--skip-if-current", "--json")
+    assert code == 0 and json.loads(out)["status"] == "converted"  # options changed: redone
+
+
+def test_verify_catches_a_flipped_byte(srcs: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    assert run("convert", str(srcs["gpt-oss"]), str(out), "--to", "quark")[0] == 0
+    shard = out / "model.safetensors"
+    with safe_open(str(shard), "pt") as fh:
+        # find the byte offset of one expert scale tensor and flip it
+        name = "model.layers.0.mlp.experts.2.w2_weight_scale"
+        assert name in fh.keys()  # noqa: SIM118
+    raw = bytearray(shard.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    b, _ = header[name]["data_offsets"]
+    raw[8 + n + b] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    code, out_text, err = run("verify", str(srcs["gpt-oss"]), str(out), "--json")
+    assert code == 3
+    doc = json.loads(out_text)
+    assert not doc["ok"] and doc["mismatches"][0]["tensor"].startswith("model.layers.0.mlp.experts.w2 scales")
+
+
+def test_nvfp4_report_has_stats(srcs: dict[str, Path], tmp_path: Path) -> None:
+    code, out, err = run("convert", str(srcs["ct-nvfp4"]), str(tmp_path / "o"), "--to", "ct", "--json", "--device", "cpu")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["requantized"] == 2 and doc["verify"]["ok"]
+    st = doc["requant_stats"]["model.layers.0.mlp.experts.w13"]
+    assert 5 < st["sqnr_db"] < 60 and st["blocks"] == 4 * 64 * 2
+    manifest = json.loads((tmp_path / "o" / "mxfp4conv.json").read_text())
+    assert manifest["requant_stats"] == doc["requant_stats"]
+    cfg = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] == "mxfp4-pack-quantized" and cfg["config_groups"]["group_0"]["weights"]["group_size"] == 32
+
+
+def test_inspect_reads_headers_only(tmp_path: Path) -> None:
+    """A 2 GB tensor in a sparse file: inspect takes the same time and memory as for a tiny one."""
+    src = build("ct-mxfp4", tmp_path / "big", shards=1)
+    shard = src / "model.safetensors"
+    raw = shard.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    data_len = len(raw) - 8 - n
+    big = 2 * 1024**3
+    header["model.extra_big.weight"] = {"dtype": "U8", "shape": [big], "data_offsets": [data_len, data_len + big]}
+    hb = json.dumps(header).encode()
+    hb += b" " * (-len(hb) % 8)
+    with open(shard, "wb") as fh:
+        fh.write(len(hb).to_bytes(8, "little") + hb + raw[8 + n:])
+        fh.truncate(8 + len(hb) + data_len + big)  # sparse: nothing is allocated
+    code = ("import resource,time,json,sys;from mxfp4conv.inspect import inspect_checkpoint;t=time.perf_counter();"
+            "r=inspect_checkpoint(sys.argv[1]);print(json.dumps([time.perf_counter()-t,"
+            "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,r.total_bytes]))")
+    t_big, rss_big, total = json.loads(subprocess.check_output([sys.executable, "-c", code, str(src)]))
+    assert total > big
+    assert t_big < 5.0
+    small = build("ct-mxfp4", tmp_path / "small", shards=1)
+    t_small, rss_small, _ = json.loads(subprocess.check_output([sys.executable, "-c", code, str(small)]))
+    assert rss_big - rss_small < 50 * 1024  # KiB: far below the 2 GB of data
