@@ -84,7 +84,7 @@ def _ignore_problems(ckpt: Checkpoint, plan: Plan) -> list[Problem]:
     for module in fp4:
         for pat in plan.facts.ignore:
             hit = (re.match(pat[3:], module) if pat.startswith("re:") and _valid(pat[3:])
-                   else plan.layout == "modelopt-nvfp4" and fnmatch.fnmatchcase(module, pat) or module == pat)
+                   else (plan.layout == "modelopt-nvfp4" and fnmatch.fnmatchcase(module, pat)) or module == pat)
             if hit:
                 out.append(Problem(module, cfg, f"FP4 tensors present but the ignore/exclude list entry {pat!r} covers the module"))
                 break

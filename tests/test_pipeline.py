@@ -118,7 +118,7 @@ def test_ct_to_quark_renames(srcs: dict[str, Path], tmp_path: Path) -> None:
     ("ct-mxfp4", "gpt-oss", "model_type gpt_oss"),
 ])
 def test_nonsense_pairs_refused(srcs: dict[str, Path], tmp_path: Path, layout: str, target: str, why: str) -> None:
-    code, out, err = run("convert", str(srcs[layout]), str(tmp_path / "o"), "--to", target)
+    code, _, err = run("convert", str(srcs[layout]), str(tmp_path / "o"), "--to", target)
     assert code == 1
     assert why in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
@@ -179,7 +179,7 @@ def test_verify_catches_a_flipped_byte(srcs: dict[str, Path], tmp_path: Path) ->
     b, _ = header[name]["data_offsets"]
     raw[8 + n + b] ^= 0x01
     shard.write_bytes(bytes(raw))
-    code, out_text, err = run("verify", str(srcs["gpt-oss"]), str(out), "--json")
+    code, out_text, _ = run("verify", str(srcs["gpt-oss"]), str(out), "--json")
     assert code == 3
     doc = json.loads(out_text)
     assert not doc["ok"] and doc["mismatches"][0]["tensor"].startswith("model.layers.0.mlp.experts.w2 scales")
@@ -220,5 +220,5 @@ def test_inspect_reads_headers_only(tmp_path: Path) -> None:
     assert total > big
     assert t_big < 5.0
     small = build("ct-mxfp4", tmp_path / "small", shards=1)
-    t_small, rss_small, _ = json.loads(subprocess.check_output([sys.executable, "-c", code, str(small)]))
+    _, rss_small, _ = json.loads(subprocess.check_output([sys.executable, "-c", code, str(small)]))
     assert rss_big - rss_small < 50 * 1024  # KiB: far below the 2 GB of data

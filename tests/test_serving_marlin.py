@@ -13,7 +13,7 @@ from tiny import build
 from mxfp4conv.cli import cli
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "serving"))
-from marlin_ready import MarlinReadyMismatch, load_marlin_ready  # noqa: E402
+from marlin_ready import MarlinReadyMismatch, load_marlin_ready
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ file produces an ``InputError`` naming the file and tensor, never a crash or a h
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -175,7 +176,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
     for name, entry in header.items():
         tensors[name] = _parse_entry(fname, path, name, entry, data_start, data_len)
     spans = sorted((t.begin, t.end, t.name) for t in tensors.values() if t.nbytes)
-    for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
+    for (_, e0, n0), (b1, _, n1) in itertools.pairwise(spans):
         if b1 < e0:
             raise InputError(f"data of tensors {n0} and {n1} overlap", file=fname, tensor=n1,
                              hint="the shard is corrupt; download it again")
@@ -233,7 +234,7 @@ def write_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]]
     try:
         with open(path, "xb") as fh:
             _emit(fh, digest, _header_bytes(sized, metadata))
-            for (name, dtype, shape, nbytes), item in zip(sized, _iter_checked(data, len(sized))):
+            for (name, dtype, shape, nbytes), item in zip(sized, _iter_checked(data, len(sized)), strict=False):
                 raw = _as_bytes(item)
                 if len(raw) != nbytes:
                     raise AssertionError(f"{name}: produced {len(raw)} bytes, planned {nbytes} ({dtype}{list(shape)})")
@@ -261,7 +262,7 @@ def _as_bytes(item: bytes | torch.Tensor) -> bytes | memoryview:
     t = item.detach().contiguous().cpu()
     if t.numel() == 0:
         return b""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def _emit(fh: BinaryIO, digest: Any, raw: bytes | memoryview) -> None:

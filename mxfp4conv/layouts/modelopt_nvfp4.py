@@ -12,7 +12,14 @@ from typing import Any
 
 from mxfp4conv.canonical import Canonical, UnitSpec
 from mxfp4conv.io.checkpoint import Checkpoint
-from mxfp4conv.layouts.base import EXPERT_RE, LinearRoles, Plan, config_facts, plan_split_layout, read_split_unit
+from mxfp4conv.layouts.base import (
+    EXPERT_RE,
+    LinearRoles,
+    Plan,
+    config_facts,
+    plan_split_layout,
+    read_split_unit,
+)
 
 NAME = "modelopt-nvfp4"
 ROLES = LinearRoles(packed="weight", scale="weight_scale", scale_dtype="F8_E4M3", group=16, quant="nvfp4",

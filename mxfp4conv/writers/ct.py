@@ -29,7 +29,7 @@ CT_VERSION = "0.19.0"  # the compressed-tensors release whose config format this
 
 
 def _args(w4a4: bool) -> dict[str, Any]:
-    weights = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32, "num_bits": 4,
+    weights: dict[str, Any] = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32, "num_bits": 4,
                "observer": "minmax", "observer_kwargs": {}, "scale_dtype": "torch.uint8", "strategy": "group",
                "symmetric": True, "type": "float", "zp_dtype": None}
     acts = None

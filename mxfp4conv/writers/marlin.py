@@ -53,7 +53,7 @@ def _gptoss(ctx: WriterContext) -> bool:
 
 
 def _geo(spec: UnitSpec, ctx: WriterContext) -> _Geo:
-    tp, rank, engine, keep = _opts(ctx)
+    tp, rank, engine, _ = _opts(ctx)
     _, h, i = spec.dims
     if _gptoss(ctx) and engine == "vllm":
         chunk = -(-i // 32 // tp) * 32
@@ -137,7 +137,7 @@ class MarlinTarget(Target):
         g = 16 if keep else 32
         sdt = "F8_E4M3" if keep else "F8_E8M0"
         if spec.kind == "moe":
-            e, h, _ = spec.dims
+            e = spec.dims[0]
             geo = _geo(spec, ctx)
             n13, k13, n2, k2 = 2 * geo.ip, geo.hp, geo.hp, geo.ip
             p = spec.key
@@ -174,7 +174,7 @@ class MarlinTarget(Target):
         tp, rank, _, keep = _opts(ctx)
         if isinstance(unit, MoELayer):
             geo = _geo(spec, ctx)
-            _, h, i = spec.dims
+            i = spec.dims[2]
             rows = torch.cat([torch.arange(geo.start, geo.start + geo.rows), torch.arange(i + geo.start, i + geo.start + geo.rows)])
             g = 16 if unit.w13.quant == "nvfp4" else 32
             w13 = _take_rows(unit.w13, rows)
@@ -226,7 +226,7 @@ class MarlinTarget(Target):
 
     def _pad_moe(self, part: MoELayer, geo: _Geo) -> dict[str, torch.Tensor]:
         """Per-rank w13 rows in the engine's order, zero-padded to (2Ip, Hp) / (Hp, Ip)."""
-        e, two_r = part.w13.packed.shape[0], part.w13.packed.shape[1]
+        two_r = part.w13.packed.shape[1]
         r = two_r // 2
         g = 16 if part.w13.quant == "nvfp4" else 32
         out: dict[str, torch.Tensor] = {}
@@ -245,14 +245,13 @@ class MarlinTarget(Target):
         out.update(w13=p.packed, w13s=p.scales, w2=q.packed, w2s=q.scales)
         if p.bias is not None and q.bias is not None:
             out.update(b13=p.bias, b2=q.bias)
-        del e
         return out
 
     def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
         keep = _opts(ctx)[3]
         g = 16 if keep else 32
         if spec.kind == "moe":
-            e, h, _ = spec.dims
+            h = spec.dims[1]
             geo = _geo(spec, ctx)
             p = spec.key
             w13 = _unmarlin(get(f"{p}.w13_weight"), get(f"{p}.w13_weight_scale"), 2 * geo.ip, geo.hp, keep,
