@@ -9,15 +9,19 @@ file produces an ``InputError`` naming the file and tensor, never a crash or a h
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 import math
 import os
+import queue
+import stat
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
@@ -77,14 +81,19 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def load_json(path: Path, *, what: str = "JSON file") -> dict[str, Any]:
     """Read a JSON object with a size limit and no duplicate keys."""
     try:
-        size = path.stat().st_size
+        st = path.stat()
     except OSError as exc:
         raise InputError(f"cannot read {what}: {exc.strerror}", file=str(path)) from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(f"{what} is not a regular file", file=str(path), hint="replace it with the real file")
+    size = st.st_size
     if size > MAX_JSON_BYTES:
         raise InputError(f"{what} is {size} bytes, over the {MAX_JSON_BYTES} byte limit", file=str(path))
     try:
         data = json.loads(path.read_bytes(), object_pairs_hook=_no_duplicates)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except OSError as exc:
+        raise InputError(f"cannot read {what}: {exc.strerror}", file=str(path)) from exc
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise InputError(f"{what} is not valid JSON ({exc})", file=str(path),
                          hint="restore the file from the original release") from exc
     if not isinstance(data, dict):
@@ -111,40 +120,43 @@ class TensorRef:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype][0]
 
-    def read_bytes(self) -> bytes:
-        """The raw bytes of the tensor (exactly ``nbytes``)."""
+    def _read_into(self, buf: memoryview) -> None:
         fd = os.open(self.file, os.O_RDONLY)
         try:
-            chunks = []
-            pos, left = self.begin, self.nbytes
-            while left:
-                chunk = os.pread(fd, min(left, 1 << 30), pos)
-                if not chunk:
+            pos, done = self.begin, 0
+            while done < len(buf):
+                got = os.preadv(fd, [buf[done:done + (1 << 30)]], pos)
+                if got <= 0:
                     raise InputError("file ended inside the tensor's data (truncated shard?)",
-                                     file=str(self.file), tensor=self.name,
-                                     hint="download the shard again")
-                chunks.append(chunk)
-                pos += len(chunk)
-                left -= len(chunk)
+                                     file=str(self.file), tensor=self.name, hint="download the shard again")
+                pos += got
+                done += got
         finally:
             os.close(fd)
-        return b"".join(chunks)
+
+    def read_bytes(self) -> bytes:
+        """The raw bytes of the tensor (exactly ``nbytes``)."""
+        buf = bytearray(self.nbytes)
+        self._read_into(memoryview(buf))
+        return bytes(buf)
 
     def load(self) -> torch.Tensor:
-        """Read the tensor (CPU, own memory)."""
-        raw = bytearray(self.read_bytes())
+        """Read the tensor (CPU, own memory), with one copy from the page cache into the tensor."""
         dtype = DTYPES[self.dtype][0]
-        if not raw:
-            return torch.empty(self.shape, dtype=dtype)
-        flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
-        return flat.reshape(self.shape)
+        raw = torch.empty(self.nbytes, dtype=torch.uint8)
+        if self.nbytes:
+            self._read_into(memoryview(raw.numpy()).cast("B"))  # type: ignore[arg-type]
+        return raw.view(dtype).reshape(self.shape)
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
     """Parse and validate one shard's header. Returns (tensors by name, ``__metadata__``)."""
     fname = str(path)
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError("not a regular file", file=fname, hint="replace it with the real shard file")
+        size = st.st_size
         with open(path, "rb") as fh:
             head = fh.read(8)
             if len(head) < 8:
@@ -162,14 +174,16 @@ def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
         raise InputError(f"cannot read shard: {exc.strerror}", file=fname) from exc
     try:
         header = json.loads(raw, object_pairs_hook=_no_duplicates)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise InputError(f"header is not valid JSON ({exc})", file=fname,
                          hint="the shard is corrupt; download it again") from exc
     if not isinstance(header, dict):
         raise InputError("header is not a JSON object", file=fname, hint="the shard is corrupt")
     data_start = 8 + n
     data_len = size - data_start
-    meta_raw = header.pop("__metadata__", None) or {}
+    meta_raw = header.pop("__metadata__", None)
+    if meta_raw is None:
+        meta_raw = {}
     if not isinstance(meta_raw, dict) or not all(isinstance(v, str) for v in meta_raw.values()):
         raise InputError("__metadata__ must map strings to strings", file=fname)
     tensors: dict[str, TensorRef] = {}
@@ -188,7 +202,7 @@ def _parse_entry(fname: str, path: Path, name: str, entry: Any, data_start: int,
     if not isinstance(entry, dict):
         raise InputError("header entry is not an object", file=fname, tensor=name)
     dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}", file=fname, tensor=name)
     if (not isinstance(shape, list) or len(shape) > 8
             or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**48 for d in shape)):
@@ -223,28 +237,98 @@ def _header_bytes(entries: list[tuple[str, str, tuple[int, ...], int]],
 
 def write_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]]],
                       data: Iterable[bytes | torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> str:
+                      metadata: dict[str, str] | None = None,
+                      max_inflight: int = 1 << 30) -> str:
     """Stream tensors into a new safetensors file; returns its sha256.
 
     ``entries`` declares (name, dtype, shape) in file order, so the header is written first and
-    ``data`` (one item per entry, in the same order) can be produced lazily.
+    ``data`` (one item per entry, in the same order) can be produced lazily. Writing and hashing
+    run on a background thread (both release the GIL), overlapping with the producer's reading
+    and transforming; at most ``max_inflight`` bytes (or one item, if larger) are queued.
     """
     sized = [(n, d, s, math.prod(s) * DTYPES[d][1]) for n, d, s in entries]
-    digest = hashlib.sha256()
+    writer = _BackgroundWriter(path, max_inflight)
     try:
-        with open(path, "xb") as fh:
-            _emit(fh, digest, _header_bytes(sized, metadata))
-            for (name, dtype, shape, nbytes), item in zip(sized, _iter_checked(data, len(sized)), strict=False):
-                raw = _as_bytes(item)
-                if len(raw) != nbytes:
-                    raise AssertionError(f"{name}: produced {len(raw)} bytes, planned {nbytes} ({dtype}{list(shape)})")
-                _emit(fh, digest, raw)
-            fh.flush()
-            os.fsync(fh.fileno())
-    except OSError as exc:
-        raise OutputError(f"cannot write shard: {exc.strerror}", file=str(path),
-                          hint="free disk space or choose another destination") from exc
-    return digest.hexdigest()
+        writer.put(_header_bytes(sized, metadata))
+        for (name, dtype, shape, nbytes), item in zip(sized, _iter_checked(data, len(sized)), strict=False):
+            raw = _as_bytes(item)
+            if len(raw) != nbytes:
+                raise AssertionError(f"{name}: produced {len(raw)} bytes, planned {nbytes} ({dtype}{list(shape)})")
+            writer.put(raw)
+        return writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+class _BackgroundWriter:
+    """One thread that writes and hashes queued buffers in order; errors surface on put/close."""
+
+    def __init__(self, path: Path, max_inflight: int) -> None:
+        try:
+            self._fh = open(path, "xb")  # noqa: SIM115 - closed by close()/abort()
+        except OSError as exc:
+            raise OutputError(f"cannot create shard: {exc.strerror}", file=str(path),
+                              hint="check the destination folder's permissions and free space") from exc
+        self._path = path
+        self._digest = hashlib.sha256()
+        self._queue: queue.Queue[bytes | memoryview | None] = queue.Queue()
+        self._cond = threading.Condition()
+        self._inflight = 0
+        self._max = max_inflight
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="mxfp4conv-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            raw = self._queue.get()
+            if raw is None:
+                return
+            try:
+                if self._error is None:
+                    self._fh.write(raw)
+                    self._digest.update(raw)
+            except BaseException as exc:  # reported to the producer
+                self._error = exc
+            with self._cond:
+                self._inflight -= len(raw)
+                self._cond.notify_all()
+
+    def _raise(self) -> None:
+        if isinstance(self._error, OSError):
+            raise OutputError(f"cannot write shard: {self._error.strerror}", file=str(self._path),
+                              hint="free disk space or choose another destination") from self._error
+        if self._error is not None:
+            raise self._error
+
+    def put(self, raw: bytes | memoryview) -> None:
+        self._raise()
+        with self._cond:
+            while self._inflight and self._inflight + len(raw) > self._max and self._error is None:
+                self._cond.wait()
+            self._inflight += len(raw)
+        self._queue.put(raw)
+
+    def close(self) -> str:
+        self._queue.put(None)
+        self._thread.join()
+        self._raise()
+        try:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._fh.close()
+        except OSError as exc:
+            self._error = exc
+            self._raise()
+        return self._digest.hexdigest()
+
+    def abort(self) -> None:
+        self._error = self._error or RuntimeError("aborted")
+        self._queue.put(None)
+        self._thread.join()
+        with contextlib.suppress(OSError):
+            self._fh.close()
 
 
 def _iter_checked(data: Iterable[bytes | torch.Tensor], n: int) -> Iterator[bytes | torch.Tensor]:
@@ -265,6 +349,3 @@ def _as_bytes(item: bytes | torch.Tensor) -> bytes | memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-def _emit(fh: BinaryIO, digest: Any, raw: bytes | memoryview) -> None:
-    fh.write(raw)
-    digest.update(raw)
