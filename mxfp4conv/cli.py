@@ -138,12 +138,16 @@ def _render_inspect(doc: dict[str, Any]) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing DST (atomically).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--no-verify", is_flag=True, help="Skip the post-write verification.")
+@click.option("--resume", is_flag=True, help="Reuse finished shards (re-hashed) from an interrupted run's staging folder.")
+@click.option("--partition", default=None, metavar="I/N", help="Write only shards j with j % N == I into the staging folder.")
+@click.option("--finish", is_flag=True, help="Verify and publish once every --partition has finished.")
 @click.option("--skip-if-current", is_flag=True, help="Do nothing if DST's manifest matches this input and these options.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as one JSON document on stdout.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, max_shard_size: str, tp_size: int,
                 engine: str, keep_nvfp4: bool, revision: str | None, overwrite: bool, dry_run: bool, no_verify: bool,
-                skip_if_current: bool, as_json: bool, debug: bool) -> None:
+                resume: bool, partition: str | None, finish: bool, skip_if_current: bool, as_json: bool,
+                debug: bool) -> None:
     """Convert SRC (folder or HF repo id) into DST; verified before it appears.
 
     \b
@@ -152,6 +156,8 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, m
       mxfp4conv convert ./gpt-oss-20b ./gpt-oss-20b-quark --to quark --json
       mxfp4conv convert ./Qwen3-30B-A3B-NVFP4 ./out --to ct --scale-rule mse --device cuda
       mxfp4conv convert ./src ./out --dry-run
+      mxfp4conv convert ./src ./out --partition 0/4   # on 4 machines sharing a filesystem, then:
+      mxfp4conv convert ./src ./out --finish
     """
     from mxfp4conv.pipeline import ConvertOptions, convert
 
@@ -161,7 +167,8 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, m
             extra["keep_nvfp4"] = "1"
         opts = ConvertOptions(target=target, scale_rule=scale_rule, device=_device(device),
                               max_shard_size=parse_size(max_shard_size), overwrite=overwrite, dry_run=dry_run,
-                              verify=not no_verify, skip_if_current=skip_if_current, revision=revision, extra=extra)
+                              verify=not no_verify, skip_if_current=skip_if_current, revision=revision, extra=extra,
+                              resume=resume, partition=_partition(partition), finish=finish)
         progress = None if as_json or not sys.stderr.isatty() else _progress_bar()
         try:
             report = convert(src, dst, opts, on_progress=progress)
@@ -176,6 +183,15 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, m
         return 0
 
     _run(debug, run)
+
+
+def _partition(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    m = re.fullmatch(r"(\d+)/(\d+)", text)
+    if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
+        raise click.BadParameter(f"{text!r}: use I/N with 0 <= I < N, e.g. 0/4", param_hint="--partition")
+    return int(m.group(1)), int(m.group(2))
 
 
 def _device(name: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ import torch
 
 from mxfp4conv import __version__
 from mxfp4conv.canonicalize import to_mxfp4
-from mxfp4conv.errors import InputError, UsageError
+from mxfp4conv.errors import InputError, OutputError, UsageError
 from mxfp4conv.inspect import SCHEMA_VERSION, analyze, writer_context
 from mxfp4conv.io.atomic import check_destination, publish, remove_tree, staging_path
 from mxfp4conv.io.checkpoint import PICKLE_SUFFIXES, Checkpoint, open_checkpoint
@@ -50,6 +51,9 @@ class ConvertOptions:
     skip_if_current: bool = False
     revision: str | None = None
     extra: dict[str, str] = field(default_factory=dict)  # target options (tp_size, engine, ...)
+    resume: bool = False  # reuse finished shards of an interrupted run's staging folder
+    partition: tuple[int, int] | None = None  # (i, n): write only shards j with j % n == i, publish nothing
+    finish: bool = False  # publish once every partition's shards are in the staging folder
 
     def fingerprint_dict(self) -> dict[str, Any]:
         return {"target": self.target, "scale_rule": self.scale_rule, "max_shard_size": self.max_shard_size,
@@ -261,10 +265,17 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
         return report
 
     staging = staging_path(dst)
-    remove_tree(staging)
-    staging.mkdir()
+    finished = _prepare_staging(staging, fingerprint, opts)
+    keep_staging = opts.resume or opts.partition is not None or opts.finish
     try:
-        outputs = _write_all(ckpt, layout, target, plan, shard_plans, staging, opts, report, on_progress)
+        outputs = _write_all(ckpt, layout, target, plan, shard_plans, staging, opts, report, on_progress,
+                             (finished, fingerprint))
+        if opts.partition is not None:
+            report.status = "partial"
+            report.seconds["total"] = time.perf_counter() - t_start
+            return report
+        for p in staging.glob(_PROGRESS_GLOB):
+            p.unlink()
         if opts.verify:
             from mxfp4conv.verify import verify_output
 
@@ -279,11 +290,56 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
                     "verified": bool(report.verify and report.verify.get("ok"))}
         (staging / MANIFEST).write_bytes(_json_bytes(manifest))
         publish(staging, dst)
+    except OutputError:
+        remove_tree(staging)  # e.g. a full disk: nothing worth resuming
+        raise
     except BaseException:
-        remove_tree(staging)
+        if not keep_staging:
+            remove_tree(staging)
         raise
     report.seconds["total"] = time.perf_counter() - t_start
     return report
+
+
+_PROGRESS_GLOB = ".mxfp4conv-progress*.json"
+
+
+def _progress_file(staging: Path, opts: ConvertOptions) -> Path:
+    if opts.partition is not None:
+        return staging / f".mxfp4conv-progress-{opts.partition[0]}of{opts.partition[1]}.json"
+    return staging / ".mxfp4conv-progress.json"
+
+
+def _prepare_staging(staging: Path, fingerprint: dict[str, Any], opts: ConvertOptions) -> dict[str, dict[str, Any]]:
+    """The finished shards recorded in an existing staging folder (resume / partitions), else a fresh folder."""
+    resuming = opts.resume or opts.partition is not None or opts.finish
+    finished: dict[str, dict[str, Any]] = {}
+    if resuming and staging.is_dir():
+        for p in sorted(staging.glob(_PROGRESS_GLOB)):
+            try:
+                rec = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue
+            if rec.get("fingerprint") != fingerprint:
+                if opts.partition is not None or opts.finish:
+                    raise UsageError(f"staging folder {staging} belongs to a conversion with other inputs or options",
+                                     hint="rerun every partition with the same SRC and options, or delete it")
+                continue
+            finished.update(rec.get("shards", {}))
+        if not finished and opts.resume:
+            remove_tree(staging)
+    elif not resuming:
+        remove_tree(staging)
+    if opts.finish and not staging.is_dir():
+        raise UsageError(f"nothing to finish: no staging folder {staging}",
+                         hint="run the --partition i/n conversions first")
+    staging.mkdir(exist_ok=True)
+    return finished
+
+
+def _reuse(path: Path, rec: dict[str, Any] | None) -> bool:
+    """A finished shard is reused only if its bytes still hash to what was recorded."""
+    return bool(rec) and path.is_file() and _sha256(path) == rec["sha256"]  # type: ignore[index]
 
 
 def _fill_plan_report(report: ConvertReport, plan: Plan, target: Target, ctx: WriterContext,
@@ -302,25 +358,53 @@ def _fill_plan_report(report: ConvertReport, plan: Plan, target: Target, ctx: Wr
 
 def _write_all(ckpt: Checkpoint, layout: Any, target: Target, plan: Plan,
                shard_plans: list[tuple[str, WriterContext, list[_ShardPlan]]], staging: Path, opts: ConvertOptions,
-               report: ConvertReport, on_progress: Progress | None) -> dict[str, str]:
+               report: ConvertReport, on_progress: Progress | None,
+               resume: tuple[dict[str, dict[str, Any]], dict[str, Any]]) -> dict[str, str]:
+    finished, fingerprint = resume
+    progress_path = _progress_file(staging, opts)
+    mine: dict[str, dict[str, Any]] = {}
     outputs: dict[str, str] = {}
     total = sum(s.nbytes for _, _, shards in shard_plans for s in shards)
     done = [0]
+    j = -1
     for folder, rctx, shards in shard_plans:
         out_dir = staging / folder if folder else staging
         out_dir.mkdir(exist_ok=True)
         wmap: dict[str, str] = {}
         for shard in shards:
+            j += 1
+            rel = f"{folder}/{shard.file}" if folder else shard.file
+            wmap.update(dict.fromkeys((t.name for t in shard.tensors), shard.file))
+            if opts.partition is not None and j % opts.partition[1] != opts.partition[0]:
+                continue
             t0 = time.perf_counter()
+            path = out_dir / shard.file
+            rec = finished.get(rel)
+            if _reuse(path, rec):
+                assert rec is not None
+                outputs[rel] = rec["sha256"]
+                report.requant_stats.update(rec.get("stats", {}))
+                done[0] += shard.nbytes
+                mine[rel] = rec
+                continue
+            if opts.finish:
+                raise UsageError(f"shard {rel} is missing or damaged in the staging folder",
+                                 hint="rerun the --partition i/n conversion that owns it (shard index mod n)")
+            remove_tree(path)
+            before = set(report.requant_stats)
             entries = [(t.name, t.dtype, t.shape) for t in shard.tensors]
             meta = target.shard_metadata(rctx)
-            digest = write_safetensors(out_dir / shard.file, entries,
+            digest = write_safetensors(path, entries,
                                        _encode_shard(shard, ckpt, layout, target, rctx, opts, report, on_progress, done, total),
                                        meta)
-            rel = f"{folder}/{shard.file}" if folder else shard.file
             outputs[rel] = digest
-            wmap.update(dict.fromkeys((t.name for t in shard.tensors), shard.file))
+            mine[rel] = {"sha256": digest, "stats": {k: report.requant_stats[k] for k in set(report.requant_stats) - before}}
+            tmp = progress_path.with_suffix(".tmp")
+            tmp.write_bytes(_json_bytes({"fingerprint": fingerprint, "shards": mine}))
+            os.replace(tmp, progress_path)
             report.seconds["write"] = report.seconds.get("write", 0.0) + time.perf_counter() - t0
+        if opts.partition is not None:
+            continue
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": dict(sorted(wmap.items()))}
             (out_dir / "model.safetensors.index.json").write_bytes(_json_bytes(index))
@@ -328,7 +412,7 @@ def _write_all(ckpt: Checkpoint, layout: Any, target: Target, plan: Plan,
         _copy_extras(ckpt.root, out_dir, drop_hqc=plan.layout != "modelopt-nvfp4" or rctx.options.get("keep_nvfp4") != "1")
         for p in sorted(out_dir.iterdir()):
             rel = f"{folder}/{p.name}" if folder else p.name
-            if p.is_file() and rel not in outputs:
+            if p.is_file() and rel not in outputs and not p.name.startswith(".mxfp4conv-progress"):
                 outputs[rel] = _sha256(p)
     report.seconds["write"] = report.seconds.get("write", 0.0) - report.seconds.get("read", 0.0) - report.seconds.get("transform", 0.0)
     report.bytes_written = done[0]

@@ -222,3 +222,45 @@ def test_inspect_reads_headers_only(tmp_path: Path) -> None:
     small = build("ct-mxfp4", tmp_path / "small", shards=1)
     _, rss_small, _ = json.loads(subprocess.check_output([sys.executable, "-c", code, str(small)]))
     assert rss_big - rss_small < 50 * 1024  # KiB: far below the 2 GB of data
+
+
+def test_partitions_then_finish_equal_one_run(srcs: dict[str, Path], tmp_path: Path) -> None:
+    args = [str(srcs["ct-nvfp4"]), "--to", "quark", "--max-shard-size", "30KB", "--device", "cpu"]
+    assert run("convert", args[0], str(tmp_path / "one"), *args[1:])[0] == 0
+    for i in range(3):
+        code, out, err = run("convert", args[0], str(tmp_path / "multi"), *args[1:], "--partition", f"{i}/3", "--json")
+        assert code == 0 and json.loads(out)["status"] == "partial", err
+        assert not (tmp_path / "multi").exists()
+    code, out, err = run("convert", args[0], str(tmp_path / "multi"), *args[1:], "--finish", "--json")
+    assert code == 0, err
+    assert json.loads(out)["verify"]["ok"]
+    assert tree_hashes(tmp_path / "one") == tree_hashes(tmp_path / "multi")
+
+
+def test_finish_refuses_missing_partition(srcs: dict[str, Path], tmp_path: Path) -> None:
+    args = [str(srcs["ct-mxfp4"]), str(tmp_path / "o"), "--max-shard-size", "30KB"]
+    assert run("convert", *args, "--partition", "0/2")[0] == 0
+    code, _, err = run("convert", *args, "--finish")
+    assert code == 1 and "missing or damaged" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_resume_reuses_rechecked_shards(srcs: dict[str, Path], tmp_path: Path) -> None:
+    """A killed run leaves finished shards in staging; --resume re-hashes and reuses them."""
+    args = [str(srcs["modelopt-nvfp4"]), "--to", "ct", "--max-shard-size", "30KB", "--device", "cpu"]
+    assert run("convert", args[0], str(tmp_path / "ref"), *args[1:])[0] == 0
+    # simulate an interrupted run: partition 0/2 wrote half the shards under the same fingerprint layout
+    assert run("convert", args[0], str(tmp_path / "o"), *args[1:], "--partition", "0/2")[0] == 0
+    staging = tmp_path / ".o.mxfp4conv-staging"
+    progress = json.loads(next(staging.glob(".mxfp4conv-progress*.json")).read_text())
+    done = sorted(progress["shards"])
+    assert done
+    damaged = staging / done[0]
+    damaged.write_bytes(damaged.read_bytes()[:-1] + b"\x00")  # must be detected and rewritten
+    mtimes = {n: (staging / n).stat().st_mtime_ns for n in done[1:]}
+    code, _, err = run("convert", args[0], str(tmp_path / "o"), *args[1:], "--resume")
+    assert code == 0, err
+    assert tree_hashes(tmp_path / "ref") == tree_hashes(tmp_path / "o")
+    assert not staging.exists()
+    for name, mtime in mtimes.items():  # intact finished shards were reused, not rewritten
+        assert (tmp_path / "o" / name).stat().st_mtime_ns == mtime, name
