@@ -1,0 +1,90 @@
+"""CPU NVFP4 -> MXFP4 requant throughput: eager-torch naive baseline vs ``requant_rows_cpu``.
+
+Prints one JSON line per (rule, convention) case. Both paths run in the same process on the same
+data; the baseline is ``requant_rows_reference`` (dequantize the rows to float32, then quantize them
+elementwise with the same statistics), run on a row subset in row chunks so that its memory stays
+bounded; throughput is weights per second, best of ``--repeat`` runs. The outputs of both paths are
+compared byte for byte on the subset.
+
+    .venv/bin/python benchmarks/bench_requant_cpu.py --rows 4096 --k 7168 --rules mse,even
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import torch
+
+from mxfp4conv.formats.mxfp4 import ScaleRule
+from mxfp4conv.requant import requant_rows_cpu, requant_rows_reference
+
+
+def make_rows(r: int, k: int, divisor: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random NVFP4 rows: uniform codes, positive non-NaN e4m3 block scales, realistic global scale."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (r, k // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(0x20, 0x7F, (r, k // 16), generator=gen, dtype=torch.uint8)
+    g = torch.rand(r, generator=gen, dtype=torch.float64) * 7.0 + 0.5
+    g = (g * 400.0 if divisor else g / 2688.0).float()
+    return packed, scales.view(torch.float8_e4m3fn), g
+
+
+def best_time(fn: object, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()  # type: ignore[operator]
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def baseline(data: tuple[torch.Tensor, ...], divisor: bool, rule: ScaleRule, chunk: int) -> list[torch.Tensor]:
+    p, s, g = data
+    outs = [requant_rows_reference(p[i : i + chunk], s[i : i + chunk], g[i : i + chunk], divisor, rule)
+            for i in range(0, p.shape[0], chunk)]  # fmt: skip
+    return [torch.cat([o[j] for o in outs]) for j in range(3)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--k", type=int, default=7168)
+    ap.add_argument("--rules", default="mse,even,floor,rceil")
+    ap.add_argument("--conventions", default="modelopt", help="modelopt (multiply), ct (divide), or both")
+    ap.add_argument("--threads", type=int, default=0, help="worker threads for the fast path (0: torch's)")
+    ap.add_argument("--baseline-rows", type=int, default=256, help="rows the baseline is timed on")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    threads = args.threads or torch.get_num_threads()
+    for conv in args.conventions.split(","):
+        divisor = conv == "ct"
+        data = make_rows(args.rows, args.k, divisor)
+        sub = tuple(t[: args.baseline_rows] for t in data)
+        for name in args.rules.split(","):
+            rule = ScaleRule(name)
+            fast_t = best_time(lambda: requant_rows_cpu(*data, divisor, rule, threads=threads), args.repeat)
+            cpu0 = time.process_time()
+            requant_rows_cpu(*data, divisor, rule, threads=threads)
+            fast_cpu = time.process_time() - cpu0
+            base_t = best_time(lambda: baseline(sub, divisor, rule, 64), max(1, args.repeat - 1))
+            got = requant_rows_cpu(*sub, divisor, rule, threads=threads)
+            want = baseline(sub, divisor, rule, 64)
+            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
+            n_fast, n_base = args.rows * args.k, sub[0].shape[0] * args.k
+            fast_mw, base_mw = n_fast / fast_t / 1e6, n_base / base_t / 1e6
+            print(json.dumps({
+                "bench": "requant_cpu", "rule": rule.value, "convention": conv,
+                "shape": [args.rows, args.k], "threads": threads,
+                "baseline_mweights_s": round(base_mw, 2), "fast_mweights_s": round(fast_mw, 2),
+                "ratio": round(fast_mw / base_mw, 2), "fast_cpu_mweights_s_per_core": round(n_fast / fast_cpu / 1e6, 2),
+                "identical": same, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+                "cores": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2),
+            }), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,543 @@
+"""FP4 Marlin layout (vLLM ``gptq_marlin_repack`` + scale / bias permutations), pure torch.
+
+Spec: ``docs/MARLIN.md`` (shared); byte reference: ``golden/marlin`` (vLLM 0.33.0). Every function is
+device-agnostic and uses only reshapes, permutes, small cached index tables and integer / bit ops,
+so CPU and CUDA produce identical bytes. Leading dims (e.g. the expert dim E) are batch dims: a
+``[E, N, K/2]`` input is transformed per expert exactly like a dense ``[N, K/2]`` one.
+
+Sizes: N = out features, K = in features, g = group (32 MXFP4, 16 NVFP4).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from functools import lru_cache
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "PaddedFP4",
+    "check_marlin_shape",
+    "gptoss_marlin_padded_sizes",
+    "marlin_padded_nk",
+    "mxfp4_scales_from_marlin",
+    "mxfp4_scales_to_marlin",
+    "nvfp4_global_to_marlin",
+    "nvfp4_rescale_factor",
+    "nvfp4_scales_encoding_lossless",
+    "nvfp4_scales_from_marlin",
+    "nvfp4_scales_match",
+    "nvfp4_scales_to_marlin",
+    "pad_dense_fp4",
+    "permute_bias",
+    "prepare_dense_fp4",
+    "prepare_moe_fp4",
+    "repack_fp4_weight",
+    "unpermute_bias",
+    "unrepack_fp4_weight",
+]
+
+if sys.byteorder != "little":  # pragma: no cover - uint8 <-> int32 views assume little-endian words
+    raise ImportError("mxfp4conv.formats.marlin requires a little-endian host")
+
+# §1 in three passes: (1) cut the input into tiles (16 k x 64 n, or 32 x 32 for a8) with a permute
+# of 8-byte units; (2) exchange nibbles between byte pairs (bit ops on int64) so that every output
+# byte exists somewhere in the tile; (3) gather each tile's 512 bytes into its 128 words.
+# 16-bit tile: row r = 16j + 8nh + ta (64 rows), byte c = 4kh + tb (8 bytes). Pass 2 turns bytes
+# (c, c + 4) into (lo|lo<<4, hi|hi<<4); word 4(4ta + tb) + j then takes bytes (nh, kh) = (p % 2, p // 2).
+# a8 tile: row 8j + ta (32 rows), 16 bytes; pass 2 pairs bytes (c, c + 8); word bytes 2tb + (0, 8, 1, 9).
+_LO_NIBBLES = 0x0F0F0F0F0F0F0F0F
+
+
+@lru_cache(maxsize=8)
+def _tile_gather(a8: bool, inverse: bool, device: torch.device) -> torch.Tensor:
+    """int64[512]: tile byte feeding output byte ``p`` (word ``p // 4``, byte ``p % 4``), or its inverse."""
+    ta, tb, j, b = (torch.arange(n, device=device) for n in (8, 4, 4, 4))
+    ta, tb, j = ta[:, None, None, None], tb[:, None, None], j[:, None]
+    if a8:
+        idx = (8 * j + ta) * 16 + 2 * tb + torch.tensor([0, 8, 1, 9], device=device)[b]
+    else:
+        idx = (16 * j + 8 * (b % 2) + ta) * 8 + 4 * (b // 2) + tb
+    idx = idx.reshape(512)
+    return torch.argsort(idx) if inverse else idx
+
+
+def _pair_nibbles_(tiles: torch.Tensor, a8: bool) -> None:
+    """In place on uint8 ``[T, 512]`` tiles: bytes (x, y) -> (lo x | lo y << 4, hi x | hi y << 4).
+
+    An exchange of nibbles (a delta swap), hence its own inverse. Pairs are (c, c + 4) within each
+    8-byte row (16-bit tiles) or (c, c + 8) within each 16-byte row (a8 tiles).
+    """
+    if a8:
+        u = tiles.view(torch.int64).view(-1, 2)
+        lo, hi = u[:, 0], u[:, 1]
+        t = torch.bitwise_right_shift(lo, 4)
+        t ^= hi
+        t &= _LO_NIBBLES
+        hi ^= t
+        t <<= 4
+        lo ^= t
+        return
+    x = tiles.view(torch.int64)
+    t = torch.bitwise_right_shift(x, 28)
+    t ^= x
+    t &= 0xF0F0F0F0
+    x ^= t
+    t <<= 28
+    x ^= t
+
+
+def _tile_shape(n: int, k: int, a8: bool) -> tuple[int, int, int, int]:
+    """(n tiles, rows per tile, k tiles, int64 units per tile row) of a ``[N, K/2]`` byte matrix."""
+    if a8:
+        if n % 32 or k % 32:
+            raise ValueError(f"a8 repack needs N % 32 == 0 and K % 32 == 0, got N={n}, K={k}")
+        return n // 32, 32, k // 32, 2
+    if n % 64 or k % 16:
+        raise ValueError(f"repack needs N % 64 == 0 and K % 16 == 0, got N={n}, K={k}")
+    return n // 64, 64, k // 16, 1
+
+
+def _as_u8(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t if t.storage_offset() % 8 == 0 else t.clone()
+
+
+def repack_fp4_weight(packed: torch.Tensor, *, a8: bool = False) -> torch.Tensor:
+    """``gptq_marlin_repack(num_bits=4)`` of a checkpoint FP4 weight (MARLIN.md §1).
+
+    ``packed``: uint8 ``[..., N, K/2]`` (low nibble = even k). Returns int32 ``[..., K/16, 2N]``:
+    16x64 tiles (``a8=False``) or the FP8-activation 32x32 tiles (``a8=True``).
+    """
+    *lead, n, k2 = packed.shape
+    nt, rows, kt, units = _tile_shape(n, 2 * k2, a8)
+    x = _aligned(_as_u8(packed)).view(torch.int64).reshape(-1, nt, rows, kt, units)
+    tiles = x.permute(0, 3, 1, 2, 4).clone(memory_format=torch.contiguous_format)  # never the input
+    tiles = tiles.view(torch.uint8).reshape(-1, 512)
+    _pair_nibbles_(tiles, a8)
+    idx = _tile_gather(a8, False, tiles.device)
+    words = torch.gather(tiles, 1, idx.expand(tiles.shape[0], 512)).view(torch.int32)
+    return words.reshape(*lead, k2 // 8, 2 * n)
+
+
+def unrepack_fp4_weight(marlin: torch.Tensor, n: int, k: int, *, a8: bool = False) -> torch.Tensor:
+    """Exact inverse of :func:`repack_fp4_weight`: int32 ``[..., K/16, 2N]`` -> uint8 ``[..., N, K/2]``."""
+    *lead, rows_, cols = marlin.shape
+    if (rows_, cols) != (k // 16, 2 * n) or marlin.dtype != torch.int32:
+        raise ValueError(
+            f"expected int32 [..., {k // 16}, {2 * n}], got {marlin.dtype} {tuple(marlin.shape)}"
+        )
+    nt, rows, kt, units = _tile_shape(n, k, a8)
+    words = marlin.contiguous().view(torch.uint8).reshape(-1, 512)
+    idx = _tile_gather(a8, True, words.device)
+    tiles = torch.gather(words, 1, idx.expand(words.shape[0], 512))
+    _pair_nibbles_(tiles, a8)
+    x = tiles.view(torch.int64).reshape(-1, kt, nt, rows, units).permute(0, 2, 3, 1, 4)
+    return x.contiguous().view(torch.uint8).reshape(*lead, n, k // 2)
+
+
+# ---- §2 / §3 scale and bias permutations -------------------------------------------------------
+
+
+@lru_cache(maxsize=32)
+def _col_perm(kind: str, device: torch.device) -> torch.Tensor:
+    """Per-block column permutation (int64): ``out[..., p] = in[..., perm[p]]`` within each block.
+
+    ``grouped``: 8x8 transpose per 64 columns (Step A); ``single``: the 32-column "single" perm;
+    ``+swap``: then positions 1/2 swapped in every run of 4 (Step B).
+    """
+    if kind.startswith("grouped"):
+        perm = torch.arange(64, device=device).reshape(8, 8).t().reshape(64)
+    else:
+        i = torch.arange(4, device=device).unsqueeze(1)
+        m = torch.tensor([0, 1, 8, 9, 16, 17, 24, 25], device=device)
+        perm = (2 * i + m).reshape(32)
+    if kind.endswith("+swap"):
+        perm = perm.reshape(-1, 2, 2).transpose(1, 2).reshape(-1)
+    return perm
+
+
+def _permute_cols(t: torch.Tensor, kind: str, *, inverse: bool = False) -> torch.Tensor:
+    perm = _col_perm(kind, t.device)
+    blk = perm.numel()
+    if t.shape[-1] % blk:
+        raise ValueError(f"last dim {t.shape[-1]} is not a multiple of {blk} ({kind} permutation)")
+    if inverse:
+        perm = torch.argsort(perm)
+    rows = t.reshape(-1, blk)
+    return torch.gather(rows, 1, perm.expand(rows.shape[0], blk)).reshape(t.shape)
+
+
+def _scale_kind(groups: int, a8: bool) -> str:
+    """Step A choice (grouped unless a8 or one group spans K) and Step B (16-bit activations)."""
+    return ("single" if a8 or groups == 1 else "grouped") + ("" if a8 else "+swap")
+
+
+def _to_marlin_order(scales_u8: torch.Tensor, a8: bool) -> torch.Tensor:
+    """``[..., N, G]`` -> transposed ``[..., G, N]`` and permuted (Steps A, B), bytes unchanged."""
+    s = scales_u8.transpose(-1, -2).contiguous()
+    return _permute_cols(s, _scale_kind(s.shape[-2], a8))
+
+
+def _from_marlin_order(m_u8: torch.Tensor, a8: bool) -> torch.Tensor:
+    s = _permute_cols(m_u8.contiguous(), _scale_kind(m_u8.shape[-2], a8), inverse=True)
+    return s.transpose(-1, -2).contiguous()
+
+
+def mxfp4_scales_to_marlin(scales: torch.Tensor, *, a8: bool = False) -> torch.Tensor:
+    """MXFP4 E8M0 scales uint8 ``[..., N, K/32]`` -> Marlin uint8 ``[..., K/32, N]`` (MARLIN.md §2).
+
+    Same exponent bytes, moved; store with ``.view(torch.float8_e8m0fnu)``. ``a8`` (FP8
+    activations): single permutation, no 1/2 swap, every byte +6 (bytes > 249 are refused).
+    """
+    out = _to_marlin_order(_as_u8(scales), a8)
+    if a8:
+        if out.numel() and int(out.max()) > 249:
+            raise ValueError("E8M0 scale byte > 249 cannot take the FP8-activation +6 bias")
+        out = out + 6
+    return out
+
+
+def mxfp4_scales_from_marlin(marlin: torch.Tensor, *, a8: bool = False) -> torch.Tensor:
+    """Inverse of :func:`mxfp4_scales_to_marlin`: ``[..., K/32, N]`` -> uint8 ``[..., N, K/32]``."""
+    m = _as_u8(marlin)
+    if a8:
+        if m.numel() and int(m.min()) < 6:
+            raise ValueError("FP8-activation Marlin scale byte < 6 is not a +6-biased E8M0 byte")
+        m = m - 6
+    return _from_marlin_order(m, a8)
+
+
+def permute_bias(bias: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``marlin_permute_bias`` (MARLIN.md §3): single perm over blocks of 32; ``[..., N]`` -> ``[..., N]``.
+
+    ``dtype`` casts first (MoE biases become the params dtype; dense biases keep theirs).
+    """
+    b = bias.to(dtype) if dtype is not None else bias
+    return _permute_cols(b.contiguous(), "single")
+
+
+def unpermute_bias(bias: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`permute_bias` (without the cast)."""
+    return _permute_cols(bias.contiguous(), "single", inverse=True)
+
+
+# ---- §2 NVFP4: E4M3 -> S0E5M3 --------------------------------------------------------------------
+
+_E4M3_MAX = 448.0
+_INF_BYTE = 0xF8  # bits 14..7 of fp16 +inf: what vLLM emits if a forced sf overflows fp16
+
+
+def _e4m3_value(code: int) -> float:
+    e, m = (code >> 3) & 0xF, code & 7
+    return m * 2.0**-9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+
+
+def _sf_log2(params_dtype: torch.dtype, sf: float) -> int:
+    if params_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"params_dtype must be bfloat16 or float16, got {params_dtype}")
+    k = int(math.log2(sf)) if sf >= 1 else -1
+    if sf < 1 or 2.0**k != sf:
+        raise ValueError(f"rescale factor must be a power of two >= 1, got {sf}")
+    if params_dtype == torch.float16 and k:
+        raise ValueError("fp16 params use no rescale (sf must be 1)")
+    return k
+
+
+def nvfp4_rescale_factor(scales: torch.Tensor, params_dtype: torch.dtype) -> float:
+    """NVFP4 rescale factor ``sf`` (MARLIN.md §2 step 2; vLLM >= 0.20).
+
+    ``scales``: E4M3 (float8_e4m3fn or its uint8 view), any shape; for MoE pass all experts of w13
+    (resp. w2) together. bf16: ``sf = 2^floor(log2(448/m))`` for the largest positive scale
+    ``m < 448``, else 1; fp16: 1.
+    """
+    _sf_log2(params_dtype, 1.0)
+    if params_dtype == torch.float16:
+        return 1.0
+    b = _as_u8(scales)
+    # as int8 the positive codes 0x00..0x7F are the non-negative values: their max is one reduction
+    top = int(b.view(torch.int8).amax()) if b.numel() else 0
+    if top == 0x7F:  # +NaN present: take the largest finite positive code instead
+        top = int(torch.where(b < 0x7F, b, torch.zeros_like(b)).amax())
+    if top <= 0:  # no positive scale (all zero / negative)
+        return 1.0
+    m, k = _e4m3_value(top), 0
+    while m * 2.0 ** (k + 1) <= _E4M3_MAX:
+        k += 1
+    return 2.0**k
+
+
+def _pair_lut(lut: torch.Tensor) -> torch.Tensor:
+    """int16[65536]: a byte LUT applied to both bytes of a little-endian int16 (index = value mod 2^16)."""
+    i = torch.arange(65536, device=lut.device)
+    pair = lut.long()[i & 0xFF] | (lut.long()[i >> 8] << 8)
+    return pair.to(torch.int16)  # wraps to the int16 bit pattern
+
+
+def _apply_lut(x: torch.Tensor, lut: torch.Tensor, pair_lut: torch.Tensor) -> torch.Tensor:
+    """``lut[x]`` for uint8 ``x``; two bytes per lookup (``pair_lut``) when the layout allows."""
+    x = x.contiguous()
+    if x.shape[-1] % 2 or x.storage_offset() % 2:
+        return lut[x.long()]
+    pairs = x.view(torch.int16).long()  # negative int16 values index from the end: mod 2^16
+    return pair_lut[pairs].view(torch.uint8).reshape(x.shape)
+
+
+@lru_cache(maxsize=64)
+def _s0e5m3_lut(k: int, device: torch.device) -> torch.Tensor:
+    """uint8[256]: E4M3 byte -> S0E5M3 byte of ``h = fp16(v * 2^k) * 128`` (bits 14..7; 0 if h < 2)."""
+    c = torch.arange(256, dtype=torch.int64, device=device)
+    e, m = (c >> 3) & 0xF, c & 7
+    # normal: h = 2^(e+k) (1 + m/8) -> fp16 exponent field e + k + 15, top mantissa bits m
+    exp16, mant = e + k + 15, m
+    # subnormal: h = m * 2^(k-2), normalised on m's leading bit p; flushed when h < 2 (m * 2^k < 8)
+    p = (m >= 2).long() + (m >= 4).long()
+    sub = e == 0
+    exp16 = torch.where(sub, k - 2 + p + 15, exp16)
+    mant = torch.where(sub, (m << (3 - p)) & 7, mant)
+    out = torch.where(exp16 > 30, torch.full_like(c, _INF_BYTE), (exp16 << 3) | mant)  # fp16 overflow
+    flush = (c >= 0x80) | (sub & (m < (8 >> k if k < 4 else 1)))  # negative, +-0, small subnormal
+    return torch.where(flush, torch.zeros_like(c), out).to(torch.uint8)
+
+
+@lru_cache(maxsize=64)
+def _s0e5m3_pair_lut(k: int, device: torch.device) -> torch.Tensor:
+    return _pair_lut(_s0e5m3_lut(k, device))
+
+
+def nvfp4_scales_to_marlin(scales: torch.Tensor, *, params_dtype: torch.dtype, sf: float) -> torch.Tensor:
+    """NVFP4 E4M3 scales ``[..., N, K/16]`` -> Marlin S0E5M3 bytes uint8 ``[..., K/16, N]`` (§2).
+
+    Steps A/B, then ``h = fp16(s * sf) * 128``, ``h < 2 -> 0``, byte = bits 14..7 of h. Store with
+    ``.view(torch.float8_e4m3fn)`` (a reinterpretation). NaN scales are refused.
+    """
+    k = _sf_log2(params_dtype, sf)
+    b = _as_u8(scales)
+    if b.numel() and int((b | 0x80).amax()) == 0xFF:  # low 7 bits all set: 0x7F / 0xFF
+        raise ValueError("NaN E4M3 block scale")
+    return _apply_lut(_to_marlin_order(b, False), _s0e5m3_lut(k, b.device), _s0e5m3_pair_lut(k, b.device))
+
+
+@lru_cache(maxsize=64)
+def _s0e5m3_inverse_lut(k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decode uint8[256], valid bool[256]): S0E5M3 byte -> the positive E4M3 byte that encodes to it."""
+    fwd = _s0e5m3_lut(k, device).long()
+    src = torch.arange(1, 0x7F, device=device)  # the positive finite E4M3 codes
+    src = src[(fwd[src] != 0) & (fwd[src] != _INF_BYTE)]  # the encoder is injective on these
+    dec = torch.zeros(256, dtype=torch.long, device=device)
+    valid = torch.zeros(256, dtype=torch.bool, device=device)
+    dec[fwd[src]] = src
+    valid[fwd[src]] = True
+    valid[0] = True  # +0 (also what flushed / negative scales became)
+    return dec.to(torch.uint8), valid
+
+
+def nvfp4_scales_from_marlin(marlin: torch.Tensor, *, params_dtype: torch.dtype, sf: float) -> torch.Tensor:
+    """Decode S0E5M3 bytes ``[..., K/16, N]`` back to E4M3 bytes uint8 ``[..., N, K/16]`` (for verify).
+
+    Lossy where the encoder is not injective: byte 0 decodes to +0, but came from +0, -0, any
+    negative scale, or an E4M3 subnormal flushed because ``v * sf * 128 < 2``. Use
+    :func:`nvfp4_scales_match` to verify by re-encoding instead. Bytes no E4M3 scale can produce
+    (e.g. the fp16-inf pattern) raise ValueError.
+    """
+    k = _sf_log2(params_dtype, sf)
+    m = _as_u8(marlin)
+    dec, valid = _s0e5m3_inverse_lut(k, m.device)
+    idx = m.long()
+    if m.numel() and not bool(valid[idx].all()):
+        raise ValueError("byte is not an S0E5M3 encoding of an E4M3 scale at this sf")
+    return _from_marlin_order(dec[idx], False)
+
+
+def nvfp4_scales_encoding_lossless(scales: torch.Tensor, *, params_dtype: torch.dtype, sf: float) -> bool:
+    """True when :func:`nvfp4_scales_from_marlin` recovers ``scales`` exactly (no flush / sign loss)."""
+    b = _as_u8(scales)
+    lut = _s0e5m3_lut(_sf_log2(params_dtype, sf), b.device)
+    enc = lut[b.long()]
+    return bool(((b == 0) | ((enc != 0) & (enc != _INF_BYTE))).all())
+
+
+def nvfp4_scales_match(
+    scales: torch.Tensor, marlin: torch.Tensor, *, params_dtype: torch.dtype, sf: float
+) -> bool:
+    """Verify Marlin S0E5M3 bytes ``[..., K/16, N]`` against source E4M3 ``[..., N, K/16]`` by re-encoding."""
+    enc = nvfp4_scales_to_marlin(scales, params_dtype=params_dtype, sf=sf)
+    return enc.shape == marlin.shape and bool(torch.equal(enc, _as_u8(marlin).to(enc.device)))
+
+
+def nvfp4_global_to_marlin(
+    global_scale: torch.Tensor | float, *, params_dtype: torch.dtype, sf: float
+) -> torch.Tensor:
+    """NVFP4 global (dequant multiplier, ``weight_scale_2``) -> Marlin float32 (MARLIN.md §2).
+
+    ``gs * 2^(B - 7) / sf`` with B = 126 (bf16) or 14 (fp16): exact power-of-two scaling. Dense:
+    0-dim; MoE: ``[E]``.
+    """
+    _sf_log2(params_dtype, sf)
+    gs = torch.as_tensor(global_scale).to(torch.float32)
+    bias = 126 if params_dtype == torch.bfloat16 else 14
+    return gs * (2.0 ** (bias - 7)) / sf
+
+
+# ---- §4 shapes and padding -----------------------------------------------------------------------
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def check_marlin_shape(n: int, k: int, group: int) -> str | None:
+    """None if an ``[N, K]`` FP4 weight with group ``g`` fits Marlin unpadded, else the failed rule (§4)."""
+    if n <= 0 or k <= 0 or group <= 0:
+        return f"sizes must be positive (N={n}, K={k}, group={group})"
+    if k % group:
+        return f"K % group == 0 (K={k}, group={group})"
+    if not ((n % 64 == 0 and k % 128 == 0) or (n % 128 == 0 and k % 64 == 0)):
+        return f"(N % 64 == 0 and K % 128 == 0) or (N % 128 == 0 and K % 64 == 0) (N={n}, K={k})"
+    return None
+
+
+def marlin_padded_nk(n: int, k: int, group: int) -> tuple[int, int]:
+    """vLLM >= 0.24 tile padding: the cheaper of (N→x64, K→x lcm(128,g)) and (N→x128, K→x lcm(64,g))."""
+    cands = (
+        (_round_up(n, 64), _round_up(k, math.lcm(128, group))),
+        (_round_up(n, 128), _round_up(k, math.lcm(64, group))),
+    )
+    return min(cands, key=lambda nk: (nk[0] * nk[1], nk[0] + nk[1]))
+
+
+def gptoss_marlin_padded_sizes(hidden: int, intermediate_per_rank: int) -> tuple[int, int]:
+    """GPT-OSS Marlin MoE sizes (§4): ``(Hp, Ip) = (round_up(H, 256), round_up(I, 128))``."""
+    return _round_up(hidden, 256), _round_up(intermediate_per_rank, 128)
+
+
+class PaddedFP4(NamedTuple):
+    packed: torch.Tensor  # uint8 [..., Np, Kp/2]
+    scales: torch.Tensor  # [..., Np, Kp/g], input dtype
+    bias: torch.Tensor | None  # [..., Np]
+    n: int
+    k: int
+    np: int
+    kp: int
+
+
+def pad_dense_fp4(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    group: int,
+    to: tuple[int, int] | None = None,
+) -> PaddedFP4:
+    """Zero-pad an FP4 weight ``[..., N, K/2]``, scales ``[..., N, K/g]`` and bias ``[..., N]`` (§4).
+
+    Padded sizes: ``to`` = (Np, Kp) if given (GPT-OSS: (2Ip, Hp) / (Hp, Ip)), else
+    :func:`marlin_padded_nk`. Zeros at the end of each dim (scale byte 0x00, bias 0).
+    """
+    n, k = packed.shape[-2], packed.shape[-1] * 2
+    if k % group or scales.shape[-2:] != (n, k // group):
+        raise ValueError(f"scales {tuple(scales.shape)} do not match N={n}, K={k}, group={group}")
+    np_, kp = to if to is not None else marlin_padded_nk(n, k, group)
+    if np_ < n or kp < k or kp % group or kp % 2:
+        raise ValueError(f"cannot pad N={n}, K={k} to ({np_}, {kp})")
+    fp = torch.nn.functional.pad
+    p = fp(_as_u8(packed), (0, (kp - k) // 2, 0, np_ - n))
+    s = fp(_as_u8(scales), (0, (kp - k) // group, 0, np_ - n)).view(scales.dtype)
+    b = fp(bias, (0, np_ - n)) if bias is not None else None
+    return PaddedFP4(p, s, b, n, k, np_, kp)
+
+
+# ---- whole-layer helpers (what vLLM's prepare_* functions hold afterwards, §4) ------------------
+
+
+def _scales_out(
+    scales: torch.Tensor, quant: str, params_dtype: torch.dtype, sf: float, a8: bool
+) -> torch.Tensor:
+    if quant == "mxfp4":
+        return mxfp4_scales_to_marlin(scales, a8=a8).view(torch.float8_e8m0fnu)
+    if a8:
+        raise ValueError("NVFP4 weights with FP8 activations are not supported by Marlin")
+    return nvfp4_scales_to_marlin(scales, params_dtype=params_dtype, sf=sf).view(torch.float8_e4m3fn)
+
+
+def prepare_dense_fp4(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    quant: str,
+    params_dtype: torch.dtype = torch.bfloat16,
+    global_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    a8: bool = False,
+    pad: bool = True,
+) -> dict[str, torch.Tensor]:
+    """``prepare_fp4_layer_for_marlin`` of one Linear: ``{weight, weight_scale[, weight_global_scale][, bias]}``.
+
+    ``packed`` uint8 ``[N, K/2]``; ``scales`` MXFP4 uint8/e8m0 ``[N, K/32]`` or NVFP4 e4m3
+    ``[N, K/16]``; NVFP4 ``global_scale`` = float32 dequant multiplier ``[]``; ``bias`` ``[N]`` keeps its
+    dtype. Unaligned shapes are zero-padded (vLLM >= 0.24) unless ``pad=False`` (then refused).
+    """
+    group = 32 if quant == "mxfp4" else 16
+    n, k = packed.shape[-2], packed.shape[-1] * 2
+    if not pad and (why := check_marlin_shape(n, k, group)):
+        raise ValueError(f"unsupported Marlin shape: {why}")
+    p = pad_dense_fp4(packed, scales, bias, group=group)
+    sf = nvfp4_rescale_factor(p.scales, params_dtype) if quant == "nvfp4" else 1.0
+    out = {
+        "weight": repack_fp4_weight(p.packed, a8=a8),
+        "weight_scale": _scales_out(p.scales, quant, params_dtype, sf, a8),
+    }
+    if quant == "nvfp4":
+        if global_scale is None:
+            raise ValueError("NVFP4 needs the global scale")
+        out["weight_global_scale"] = nvfp4_global_to_marlin(global_scale, params_dtype=params_dtype, sf=sf)
+    if p.bias is not None:
+        out["bias"] = permute_bias(p.bias)
+    return out
+
+
+def prepare_moe_fp4(
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    *,
+    quant: str,
+    params_dtype: torch.dtype = torch.bfloat16,
+    w13_global: torch.Tensor | None = None,
+    w2_global: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    a8: bool = False,
+) -> dict[str, torch.Tensor]:
+    """FusedMoE Marlin preparation: each expert transformed like a dense layer (MARLIN.md §4).
+
+    ``w13`` uint8 ``[E, 2I, H/2]`` (row order kept: halves or GPT-OSS interleaved), ``w2``
+    ``[E, H, I/2]``, scales ``[E, N, K/g]``, NVFP4 globals float32 ``[E]`` (dequant multipliers),
+    biases ``[E, N]`` (cast to ``params_dtype``). NVFP4 ``sf`` is computed once over all experts of
+    w13 and once for w2. No padding: pre-pad GPT-OSS with :func:`pad_dense_fp4` (``to=``).
+    """
+    group = 32 if quant == "mxfp4" else 16
+    out: dict[str, torch.Tensor] = {}
+    for name, w, s, gs, b in (
+        ("w13", w13, w13_scale, w13_global, w13_bias),
+        ("w2", w2, w2_scale, w2_global, w2_bias),
+    ):
+        if why := check_marlin_shape(w.shape[-2], w.shape[-1] * 2, group):
+            raise ValueError(f"unsupported Marlin MoE shape for {name}: {why}")
+        sf = nvfp4_rescale_factor(s, params_dtype) if quant == "nvfp4" else 1.0
+        out[f"{name}_weight"] = repack_fp4_weight(w, a8=a8)
+        out[f"{name}_weight_scale"] = _scales_out(s, quant, params_dtype, sf, a8)
+        if quant == "nvfp4":
+            if gs is None:
+                raise ValueError(f"NVFP4 needs {name}_global")
+            out[f"{name}_weight_scale_2"] = nvfp4_global_to_marlin(gs, params_dtype=params_dtype, sf=sf)
+        if b is not None:
+            out[f"{name}_bias"] = permute_bias(b, dtype=params_dtype)
+    return out

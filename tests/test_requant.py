@@ -1,0 +1,216 @@
+"""NVFP4 -> MXFP4 requant: the CPU fast path (per-block tables) vs the plain composition
+``quantize_mxfp4_with_stats(dequantize_nvfp4(...))`` byte for byte, chunking / threading invariance,
+statistics, the exact case, invalid input and the CUDA dispatch."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import mxfp4conv.requant as rq
+from mxfp4conv.canonical import FP4Weight
+from mxfp4conv.formats.mxfp4 import ScaleRule
+from mxfp4conv.formats.nvfp4 import MAX_REQUANT_MAGNITUDE
+from mxfp4conv.requant import (
+    RequantStats,
+    requant_nvfp4_to_mxfp4,
+    requant_rows_cpu,
+    requant_rows_reference,
+)
+
+RULES = list(ScaleRule)
+IDS = [r.value for r in RULES]
+
+
+def random_nvfp4(r: int, k: int, divisor: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (r, k // 2), generator=gen, dtype=torch.uint8)
+    sc = torch.randint(0, 0x7F, (r, k // 16), generator=gen, dtype=torch.uint8)  # incl. 0 and subnormals
+    g = torch.rand(r, generator=gen, dtype=torch.float64) * 7.0 + 0.5
+    g = (g * 400.0 if divisor else g / 2688.0).float()
+    return packed, sc.view(torch.float8_e4m3fn), g
+
+
+def adversarial_nvfp4(divisor: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows whose dequantized values land on E2M1 midpoints after MXFP4 scaling, block maxima on
+    powers of two / 1.5 / 1.75 (and an ulp off), zero and negative block scales, -0 codes, subnormal
+    block scales, and huge / tiny second-level scales."""
+    gen = torch.Generator().manual_seed(3)
+    k = 128
+    nice = [0x30, 0x38, 0x3C, 0x3E, 0x40, 0x44, 0x48, 0x4C, 0x01, 0x07, 0x08, 0x00, 0x80, 0xB8, 0x7E]
+    gs = [1.0, 2.0**-10, 2.0**20, 1.5, 1.75, 3.0, 7.0, float(np.nextafter(np.float32(2), np.float32(3))),
+          float(np.nextafter(np.float32(1), np.float32(0))), 1e-30, 1e30, 2.0**-126, 2.0**100]  # fmt: skip
+    rows_p, rows_s, rows_g = [], [], []
+    for gv in gs:
+        for _ in range(4):
+            rows_p.append(torch.randint(0, 256, (k // 2,), generator=gen, dtype=torch.uint8))
+            idx = torch.randint(0, len(nice), (k // 16,), generator=gen)
+            rows_s.append(torch.tensor(nice, dtype=torch.uint8)[idx])
+            rows_g.append(1.0 / gv if divisor else gv)
+    packed, sc = torch.stack(rows_p), torch.stack(rows_s)
+    packed[::3, :8] = 0x88  # -0 everywhere in a 16-block
+    packed[1::3, ::8] |= 0x07  # a +-6 in every 16-block: amax on the top code
+    packed[2::5, 8:16] = 0  # an all-zero 32-block
+    g = torch.tensor(rows_g, dtype=torch.float32)
+    ok = np.float32(6 * 448) * (g if not divisor else 1 / g).numpy() < MAX_REQUANT_MAGNITUDE  # keep valid
+    return packed[ok], sc[ok].view(torch.float8_e4m3fn), g[ok]
+
+
+def assert_same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> None:
+    assert torch.equal(a[0], b[0]), "packed bytes differ"
+    assert torch.equal(a[1], b[1]), "scale bytes differ"
+    assert torch.equal(a[2].view(torch.int64), b[2].view(torch.int64)), "row stats differ (bitwise)"
+
+
+@pytest.mark.parametrize("divisor", [False, True], ids=["modelopt", "ct"])
+@pytest.mark.parametrize("rule", RULES, ids=IDS)
+def test_cpu_fast_path_matches_composition(rule: ScaleRule, divisor: bool) -> None:
+    for data in (random_nvfp4(24, 512, divisor, seed=1), adversarial_nvfp4(divisor)):
+        fast = requant_rows_cpu(*data, divisor, rule)
+        ref = requant_rows_reference(*data, divisor, rule)
+        assert_same(fast, ref)
+
+
+def test_cpu_path_is_sequential_where_it_matters() -> None:
+    # requant_rows_cpu relies on CPU cumsum being a left-to-right scan (per block, per row).
+    t = torch.tensor([1.0] + [2.0**-53] * 31, dtype=torch.float64)
+    assert t.cumsum(0)[-1].item() == 1.0 and t.sum().item() != 1.0
+
+
+def test_row_stats_fold_blocks_sequentially() -> None:
+    """Row statistics = the block statistics folded in block order by a plain Python loop."""
+    from mxfp4conv.formats.mxfp4 import quantize_mxfp4_with_stats
+    from mxfp4conv.formats.nvfp4 import dequantize_nvfp4
+
+    p, s, g = random_nvfp4(6, 4096, False, seed=12)
+    _, _, rows = requant_rows_cpu(p, s, g, False, ScaleRule.MSE)
+    st = quantize_mxfp4_with_stats(dequantize_nvfp4(p, s, g, divisor=False), ScaleRule.MSE)[2]
+    order_matters = False
+    for i in range(6):
+        sq = sig = 0.0
+        for j in range(st.sq_err.shape[1]):
+            sq += float(st.sq_err[i, j])
+            sig += float(st.signal[i, j])
+        want = [sq, sig, float(st.max_abs_err[i].max()), float(st.clipped[i].sum()), float(st.exact[i].sum())]
+        assert rows[i].tolist() == want
+        order_matters |= float(st.sq_err[i].sum()) != sq or float(st.signal[i].sum()) != sig
+    assert order_matters  # the data distinguishes sequential from pairwise sums
+
+
+def test_threads_and_slab_sizes_do_not_change_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = random_nvfp4(37, 256, False, seed=2)
+    base = requant_rows_cpu(*data, False, ScaleRule.MSE, threads=1)
+    assert_same(requant_rows_cpu(*data, False, ScaleRule.MSE, threads=2), base)
+    for slab in (1, 256 * 5, 1 << 20):
+        monkeypatch.setattr(rq, "_SLAB_WEIGHTS", slab)
+        assert_same(requant_rows_cpu(*data, False, ScaleRule.MSE, threads=3), base)
+
+
+def nvfp4_weight(e: int, n: int, k: int, divisor: bool, seed: int) -> FP4Weight:
+    p, s, _ = random_nvfp4(e * n, k, divisor, seed)
+    g = torch.empty(e, n)
+    g[:, : n // 2], g[:, n // 2 :] = 0.003, 0.0011  # gate / up halves with their own scale
+    if divisor:
+        g = 1.0 / g
+    return FP4Weight("nvfp4", p.view(e, n, k // 2), s.view(e, n, k // 16), g, global_is_divisor=divisor)
+
+
+@pytest.mark.parametrize("divisor", [False, True], ids=["modelopt", "ct"])
+def test_chunk_rows_give_identical_bytes_and_stats(divisor: bool) -> None:
+    w = nvfp4_weight(3, 20, 256, divisor, seed=4)
+    outs = [requant_nvfp4_to_mxfp4(w, ScaleRule.MSE, chunk_rows=c) for c in (1, 7, 64, 10_000)]
+    mx0, st0 = outs[0]
+    assert mx0.quant == "mxfp4" and mx0.packed.shape == (3, 20, 128) and mx0.scales.shape == (3, 20, 8)
+    for mx, st in outs[1:]:
+        assert torch.equal(mx.packed, mx0.packed) and torch.equal(mx.scales, mx0.scales)
+        assert st == st0
+    # and both equal the plain composition on the flattened rows
+    p, s, rs = requant_rows_reference(
+        w.packed.reshape(-1, 128), w.scales.reshape(-1, 16), w.global_rows.reshape(-1), divisor, ScaleRule.MSE
+    )
+    assert torch.equal(mx0.packed.reshape(-1, 128), p) and torch.equal(mx0.scales.reshape(-1, 8), s)
+    assert st0 == RequantStats.from_row_stats(rs, 8)
+
+
+def test_stats_fields_and_json() -> None:
+    w = nvfp4_weight(2, 16, 256, False, seed=5)
+    _, st_floor = requant_nvfp4_to_mxfp4(w, ScaleRule.FLOOR)
+    _, st_rceil = requant_nvfp4_to_mxfp4(w, ScaleRule.RCEIL)
+    _, st_mse = requant_nvfp4_to_mxfp4(w, ScaleRule.MSE)
+    assert st_floor.blocks == st_rceil.blocks == 2 * 16 * 8
+    assert st_floor.clipped_blocks > 0 and st_rceil.clipped_blocks == 0
+    assert st_mse.sq_err <= st_floor.sq_err and st_mse.sq_err < st_rceil.sq_err
+    assert st_mse.signal == st_floor.signal > 0
+    sq = st_mse.sqnr_db
+    assert sq is not None and sq == 10 * math.log10(st_mse.signal / st_mse.sq_err) and 10 < sq < 40
+    assert 0 < st_mse.max_abs_err < 1
+    d = st_mse.to_dict()
+    assert json.loads(json.dumps(d, allow_nan=False)) == d
+    assert set(d) == {"blocks", "clipped_blocks", "exact_blocks", "sq_err", "signal", "max_abs_err", "sqnr_db"}
+    m = st_floor.merge(st_rceil)
+    assert m.blocks == 2 * st_floor.blocks and m.sq_err == st_floor.sq_err + st_rceil.sq_err
+    assert m.max_abs_err == max(st_floor.max_abs_err, st_rceil.max_abs_err)
+    assert RequantStats().sqnr_db is None and RequantStats().to_dict()["sqnr_db"] is None
+    assert RequantStats(sq_err=1.0, signal=0.0).to_dict()["sqnr_db"] is None  # -inf is not JSON
+
+
+@pytest.mark.parametrize("rule", RULES, ids=IDS)
+def test_exact_case_keeps_nibbles(rule: ScaleRule) -> None:
+    """Both 16-blocks with e4m3 * scale_2 == the same power of two, and a +-6 in every 32-block:
+    the MXFP4 nibbles equal the NVFP4 nibbles and every block is exact."""
+    gen = torch.Generator().manual_seed(6)
+    packed = torch.randint(0, 256, (8, 64), generator=gen, dtype=torch.uint8)
+    packed[:, ::16] = (packed[:, ::16] & 0xF0) | 0x07
+    sc = torch.full((8, 8), 0x40, dtype=torch.uint8)  # 2.0
+    for divisor, g in ((False, 2.0**-8), (True, 2.0**8)):
+        w = FP4Weight("nvfp4", packed, sc.view(torch.float8_e4m3fn), torch.full((8,), g), divisor)
+        mx, st = requant_nvfp4_to_mxfp4(w, rule)
+        assert torch.equal(mx.packed, packed)
+        assert bool((mx.scales == 127 - 7).all())
+        assert st.exact_blocks == st.blocks == 32 and st.sq_err == 0.0 and st.sqnr_db is None
+
+
+def test_invalid_input_raises() -> None:
+    w = nvfp4_weight(1, 4, 64, False, seed=7)
+    w.scales.view(torch.uint8)[0, 2, 1] = 0x7F
+    with pytest.raises(ValueError, match=r"NaN e4m3 block scale at index \(0, 2, 1\)"):
+        requant_nvfp4_to_mxfp4(w)
+    w = nvfp4_weight(1, 4, 64, False, seed=7)
+    w.global_rows[0, 3] = 0.0
+    with pytest.raises(ValueError, match="zero global scale"):
+        requant_nvfp4_to_mxfp4(w)
+    with pytest.raises(ValueError):
+        requant_nvfp4_to_mxfp4(FP4Weight("mxfp4", torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 1)))
+    with pytest.raises(ValueError):
+        requant_rows_cpu(torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(2, 1), torch.ones(2), False, "mse")
+
+
+def test_cpu_path_never_imports_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    name = "mxfp4conv.kernels.requant_triton"
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    requant_nvfp4_to_mxfp4(nvfp4_weight(1, 4, 64, False, seed=8), device="cpu")
+    assert name not in sys.modules
+
+
+def test_cuda_device_dispatches_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, bool, ScaleRule]] = []
+
+    def fake_requant_rows(p: torch.Tensor, s: torch.Tensor, g: torch.Tensor, divisor: bool, rule: ScaleRule):  # type: ignore[no-untyped-def]
+        calls.append((int(p.shape[0]), divisor, rule))
+        return requant_rows_cpu(p, s, g, divisor, rule)
+
+    fake = types.ModuleType("mxfp4conv.kernels.requant_triton")
+    fake.requant_rows = fake_requant_rows  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "mxfp4conv.kernels.requant_triton", fake)
+    monkeypatch.setattr(rq, "_to_device", lambda t, device: t)
+    w = nvfp4_weight(2, 8, 64, True, seed=9)
+    mx, st = requant_nvfp4_to_mxfp4(w, ScaleRule.EVEN, device="cuda:0", chunk_rows=5)
+    assert calls == [(5, True, ScaleRule.EVEN)] * 3 + [(1, True, ScaleRule.EVEN)]
+    mx_cpu, st_cpu = requant_nvfp4_to_mxfp4(w, ScaleRule.EVEN)
+    assert torch.equal(mx.packed, mx_cpu.packed) and st == st_cpu
