@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from tiny import _ct_qconfig, gpt_oss_config, qwen3_config  # noqa: E402
+from tiny import _ct_qconfig, gpt_oss_config, qwen3_config
 
 SHAPES = {"qwen3": {"experts": 128, "hidden": 2048, "inter": 768}, "gpt-oss": {"experts": 32, "hidden": 2880, "inter": 2880}}
 
@@ -66,6 +66,7 @@ def layer_tensors(layout: str, layer: int, gen: torch.Generator) -> dict[str, to
             elif layout == "modelopt-nvfp4":
                 t[f"{m}.weight"], t[f"{m}.weight_scale"] = _codes(gen, n, k // 2), _e4m3(gen, n, k // 16)
                 t[f"{m}.weight_scale_2"] = torch.tensor(1e-3, dtype=torch.float32)
+                t[f"{m}.input_scale"] = torch.tensor(1e-3, dtype=torch.float32)  # NVFP4_DEFAULT_CFG is W4A4
             else:
                 t[f"{m}.weight_packed"], t[f"{m}.weight_scale"] = _codes(gen, n, k // 2), _e4m3(gen, n, k // 16)
                 t[f"{m}.weight_global_scale"] = torch.tensor([1e3], dtype=torch.float32)
