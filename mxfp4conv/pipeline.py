@@ -230,6 +230,12 @@ def prepare(src: str | Path, opts: ConvertOptions) -> tuple[Checkpoint, Any, Pla
     target = get_target(name)
     ctx = writer_context(plan, ckpt, {**opts.extra, "target": name, "scale_rule": opts.scale_rule})
     why = target.refuse(ctx)
+    if why and opts.target == "auto" and name == "gpt-oss":
+        # gpt_oss with FP4 attention (llm-compressor) has no native layout: Quark is the served one
+        name = "quark"
+        target = get_target(name)
+        ctx = writer_context(plan, ckpt, {**opts.extra, "target": name, "scale_rule": opts.scale_rule})
+        why = target.refuse(ctx)
     if why:
         raise UsageError(f"cannot convert {plan.layout} ({plan.facts.model_type}) to --to {name}: {why}")
     return ckpt, layout, plan, target, ctx

@@ -35,7 +35,9 @@ def quantization_config(ctx: WriterContext) -> dict[str, Any]:
               "scale_type": "float", "is_dynamic": False, "symmetric": None, "round_method": "half_even",
               "observer_cls": "PerBlockMXObserver", "scale_calculation_mode": "even", "mx_element_dtype": None}
     acts = None
-    if ctx.options.get("quark_activations", "mxfp4") == "mxfp4":
+    # Activations follow the source scheme (a W4A16 source must not be declared W4A4: runtimes
+    # would then QDQ every activation); the "quark_activations" option ("mxfp4" | "none") overrides.
+    if ctx.options.get("quark_activations", "mxfp4" if ctx.facts.scheme == "w4a4" else "none") == "mxfp4":
         acts = {**weight, "is_dynamic": True}
     return {
         "quant_method": "quark",
