@@ -16,6 +16,8 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -23,7 +25,9 @@ from mxfp4conv.formats.mxfp4 import ScaleRule
 from mxfp4conv.requant import requant_rows_cpu, requant_rows_reference
 
 
-def make_rows(r: int, k: int, divisor: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_rows(
+    r: int, k: int, divisor: bool, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random NVFP4 rows: uniform codes, positive non-NaN e4m3 block scales, realistic global scale."""
     gen = torch.Generator().manual_seed(seed)
     packed = torch.randint(0, 256, (r, k // 2), generator=gen, dtype=torch.uint8)
@@ -33,16 +37,18 @@ def make_rows(r: int, k: int, divisor: bool, seed: int = 0) -> tuple[torch.Tenso
     return packed, scales.view(torch.float8_e4m3fn), g
 
 
-def best_time(fn: object, repeat: int) -> float:
+def best_time(fn: Callable[[], object], repeat: int) -> float:
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
-        fn()  # type: ignore[operator]
+        fn()
         best = min(best, time.perf_counter() - t0)
     return best
 
 
-def baseline(data: tuple[torch.Tensor, ...], divisor: bool, rule: ScaleRule, chunk: int) -> list[torch.Tensor]:
+def baseline(
+    data: tuple[torch.Tensor, torch.Tensor, torch.Tensor], divisor: bool, rule: ScaleRule, chunk: int
+) -> list[torch.Tensor]:
     p, s, g = data
     outs = [requant_rows_reference(p[i : i + chunk], s[i : i + chunk], g[i : i + chunk], divisor, rule)
             for i in range(0, p.shape[0], chunk)]  # fmt: skip
@@ -62,19 +68,23 @@ def main() -> None:
     threads = args.threads or torch.get_num_threads()
     for conv in args.conventions.split(","):
         divisor = conv == "ct"
-        data = make_rows(args.rows, args.k, divisor)
-        sub = tuple(t[: args.baseline_rows] for t in data)
+        p, s, g = make_rows(args.rows, args.k, divisor)
+        sp, ss, sg = p[: args.baseline_rows], s[: args.baseline_rows], g[: args.baseline_rows]
         for name in args.rules.split(","):
             rule = ScaleRule(name)
-            fast_t = best_time(lambda: requant_rows_cpu(*data, divisor, rule, threads=threads), args.repeat)
+            fast_t = best_time(
+                partial(requant_rows_cpu, p, s, g, divisor, rule, threads=threads), args.repeat
+            )
             cpu0 = time.process_time()
-            requant_rows_cpu(*data, divisor, rule, threads=threads)
+            requant_rows_cpu(p, s, g, divisor, rule, threads=threads)
             fast_cpu = time.process_time() - cpu0
-            base_t = best_time(lambda: baseline(sub, divisor, rule, 64), max(1, args.repeat - 1))
-            got = requant_rows_cpu(*sub, divisor, rule, threads=threads)
-            want = baseline(sub, divisor, rule, 64)
-            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
-            n_fast, n_base = args.rows * args.k, sub[0].shape[0] * args.k
+            base_t = best_time(partial(baseline, (sp, ss, sg), divisor, rule, 64), max(1, args.repeat - 1))
+            got = requant_rows_cpu(sp, ss, sg, divisor, rule, threads=threads)
+            want = baseline((sp, ss, sg), divisor, rule, 64)
+            same = all(
+                torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want, strict=True)
+            )
+            n_fast, n_base = args.rows * args.k, sp.shape[0] * args.k
             fast_mw, base_mw = n_fast / fast_t / 1e6, n_base / base_t / 1e6
             print(json.dumps({
                 "bench": "requant_cpu", "rule": rule.value, "convention": conv,

@@ -15,13 +15,16 @@ The CPU path never expands a tensor to fp32: within a 16-element NVFP4 block eve
 magnitudes ``round(e2m1[m] * s * g)`` (sign-symmetric), so all float work (scale choice, E2M1 rounding,
 float64 errors) runs on per-block tables of 8 entries per 16 weights. Per weight it only builds an
 index, gathers the float64 terms that the contract sums sequentially over the 32 positions
-(``cumsum`` on CPU is a sequential scan), and gathers the new code.
+(``cumsum`` on CPU is a sequential scan), and gathers the new code. Rows are processed in slabs of
+~128K weights (cache-resident) on worker threads with reused buffers; while it runs, torch's
+intra-op thread count is set to 1 (process-wide), so do not run other torch work concurrently.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -31,7 +34,7 @@ from typing import Any
 import torch
 
 from mxfp4conv.canonical import FP4Weight
-from mxfp4conv.formats.fp4 import E2M1_POS_VALUES, F4_E2M1_MAX, e4m3_decode, pow2_float32, pow2_float64
+from mxfp4conv.formats.fp4 import E2M1_POS_VALUES, F4_E2M1_MAX, e4m3_decode
 from mxfp4conv.formats.mxfp4 import (
     MX_BLOCK,
     ScaleRule,
@@ -42,13 +45,14 @@ from mxfp4conv.formats.mxfp4 import (
 from mxfp4conv.formats.nvfp4 import dequantize_nvfp4, validate_nvfp4_scales
 
 __all__ = [
+    "ROW_STATS",
     "RequantStats",
     "requant_nvfp4_to_mxfp4",
     "requant_rows_cpu",
     "requant_rows_reference",
 ]
 
-ROW_STATS = ("sq_err", "signal", "max_abs_err", "clipped_blocks", "exact_blocks")
+ROW_STATS = ("sq_err", "signal", "max_abs_err", "clipped_blocks", "exact_blocks")  # row_stats columns
 DEFAULT_CHUNK_ROWS = 4096
 _SLAB_WEIGHTS = 1 << 17  # weights per CPU work item: keeps the tables and gathers cache-resident
 
@@ -164,9 +168,9 @@ def requant_rows_reference(
     divisor: bool,
     rule: ScaleRule,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The row-level contract written as the plain composition (slow, any device): dequantize the
-    whole ``[R, K]`` slab to float32, quantize it elementwise. Same signature/results as
-    ``requant_rows_cpu``."""
+    """The row-level contract written as the plain composition (slow; CPU tensors): dequantize the
+    whole ``[R, K]`` slab to float32, quantize it elementwise. Same signature and results as
+    ``requant_rows_cpu``; the tests and the benchmark use it as the reference."""
     k = _check_rows(packed, scales_e4m3, global_rows)
     x = dequantize_nvfp4(packed, scales_e4m3, global_rows, divisor=divisor)
     out, scales, st = quantize_mxfp4_with_stats(x, rule)
@@ -177,109 +181,156 @@ def requant_rows_reference(
 
 # ----------------------------------------------------------------------------- CPU fast path
 _POS8 = torch.tensor(E2M1_POS_VALUES, dtype=torch.float32)
-_base_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_base_cache: dict[int, torch.Tensor] = {}
 
 
-def _base_index(nb16: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """int32 [nb16, 8] table offsets of the low / high nibble of each byte; cached per size.
+def _base_index(nb16: int) -> torch.Tensor:
+    """int32 [nb16, 8]: offset of 16-block j's 8 table entries (j * 8) for each of its bytes.
 
-    Tables are [nb, 16] = (32-block, half * 8 + magnitude), i.e. 8 entries per 16-block."""
+    Tables are [nb, 16] = (32-block, half * 8 + magnitude), i.e. 8 entries per 16-block; cached."""
     t = _base_cache.get(nb16)
     if t is None:
-        base = (torch.arange(nb16, dtype=torch.int32) * 8)[:, None].expand(nb16, 8).contiguous()
-        t = (base, base)
+        t = (torch.arange(nb16, dtype=torch.int32) * 8)[:, None].expand(nb16, 8).contiguous()
         if len(_base_cache) > 16:
             _base_cache.clear()
         _base_cache[nb16] = t
     return t
 
 
-def _grid_round(q: torch.Tensor) -> torch.Tensor:
-    """q >= 0 float32 (< 2^100) -> the E2M1 magnitude it encodes to (RNE, ties to even, saturating).
+# E2M1 grid magnitude -> code, indexed by its float32 bits >> 22 (0, 252 for 0.5, 254..259 for 1..6).
+_CODE_LUT = torch.zeros(260, dtype=torch.uint8)
+_CODE_LUT[[252, 254, 255, 256, 257, 258, 259]] = torch.arange(1, 8, dtype=torch.uint8)
 
-    Adds and subtracts ``c = 2^(max(floor(log2 q), 0) + 22)``, whose ulp is the E2M1 step of q's
-    binade, so the float32 add rounds to the grid with ties to even; then saturates at 6.
+
+# Per-exponent constants, indexed by the scale byte e + 127 (e in [-127, 127]); all exact.
+_EXPS = range(-127, 128)
+_INV32 = torch.tensor([2.0**-e for e in _EXPS], dtype=torch.float32)  # 2^-e (2^-127: subnormal)
+_SQ64 = torch.tensor([4.0**e for e in _EXPS], dtype=torch.float64)  # 4^e
+_SIX32 = torch.tensor([6.0 * 2.0**e for e in _EXPS], dtype=torch.float32)  # 6 * 2^e; inf above 2^128
+_COFF = torch.tensor([(22 - e) << 23 for e in _EXPS], dtype=torch.int32)  # c's exponent offset
+
+
+class _Workspace:
+    """Reusable buffers of one worker thread. The hot loop must not allocate its large temporaries:
+    malloc serves them with fresh (mmap'd or trimmed) pages, and every page fault costs time and
+    serializes the worker threads on the kernel's memory-map lock."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape)
+        t = self._bufs.get(name)
+        if t is None or t.dtype != dtype or t.numel() < n:
+            t = self._bufs[name] = torch.empty(n, dtype=dtype)
+        return t[:n].view(shape)
+
+
+def _cand_tab(
+    at: torch.Tensor, ebits: torch.Tensor, eb: torch.Tensor, ws: _Workspace, tag: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables [nb, 16] for scale bytes eb = e + 127 [nb] (int32): grid magnitudes r (float32) and
+    u = (q - r)^2 (float64), with q = |x| * 2^-e; the squared error of an entry is 4^e * u.
+
+    Rounding: adding and subtracting ``c = 2^(max(floor(log2 q), 0) + 22)``, whose ulp is the E2M1
+    step of q's binade, rounds q to the grid with ties to even (then saturate at 6). ``ebits`` is
+    |x|'s exponent field (bits & 0x7F800000), so c's bits are ``ebits + (22 - e) << 23``, floored
+    at 2^22. Exactness: q is exact (a power-of-two scaling; every nonzero |x| of an NVFP4 32-block is
+    >= amax * 2^-22, so q never drops into float32's subnormal range with bits lost), q - r is exact
+    (Sterbenz: r is 0 or in [q/2, 2q]), and its float64 square is exact.
     """
-    c = ((q.view(torch.int32) & 0x7F800000).clamp_(min=0x3F800000) + (22 << 23)).view(torch.float32)
-    return ((q + c) - c).clamp_(max=F4_E2M1_MAX)
+    shape = tuple(at.shape)
+    q = torch.mul(at, _INV32.index_select(0, eb)[:, None], out=ws("q", shape, torch.float32))
+    c = torch.add(ebits, _COFF.index_select(0, eb)[:, None], out=ws("c", shape, torch.int32))
+    cf = c.clamp_(min=(127 + 22) << 23).view(torch.float32)
+    r = torch.add(q, cf, out=ws("r" + tag, shape, torch.float32)).sub_(cf).clamp_(max=F4_E2M1_MAX)
+    u = ws("u" + tag, shape, torch.float64).copy_(q.sub_(r))
+    return r, u.mul_(u)
 
 
-def _grid_code(r: torch.Tensor) -> torch.Tensor:
-    """E2M1 grid magnitude (float32 in {0, .5, 1, 1.5, 2, 3, 4, 6}) -> code 0..7 (uint8)."""
-    hi = r.view(torch.int32) >> 22  # 0, 252 (0.5), 254..259 (1..6)
-    return ((hi - 251).clamp_(min=0) - (hi >= 254).to(torch.int32)).to(torch.uint8)
-
-
-def _cand_tab(at: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tables [nb, 16] for exponents e [nb]: grid magnitudes (float32) and squared errors (float64).
-
-    ``at - r * 2^e`` is exact in float32 (Sterbenz: r * 2^e is 0 or within a factor 2 of at, and
-    never overflows for validated input), so its float64 square is exact.
-    """
-    r = _grid_round(at * pow2_float32(-e)[:, None])
-    d = (at - r * pow2_float32(e)[:, None]).double()
-    return r, d.mul_(d)
-
-
-def _gather(tab: torch.Tensor, idx: torch.Tensor, nb: int) -> torch.Tensor:
-    """Per-position terms [nb, 32] of a table [nb, 16] (idx: int32 [nb * 32] flat table indices)."""
-    return tab.view(-1).index_select(0, idx).view(nb, 32)
-
-
-def _seq_sum(terms: torch.Tensor) -> torch.Tensor:
-    """[nb, 32] -> [nb]: the sum over positions 0..31 in order (CPU cumsum is a sequential scan)."""
-    return terms.cumsum(1)[:, -1]
+def _gather_sum(
+    tab: torch.Tensor, idx: torch.Tensor, ws: _Workspace, want_max: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Terms [nb, 32] of a table [nb, 16] at the flat int32 indices ``idx`` [nb * 32] -> per block,
+    (their sum over positions 0..31 in order (CPU cumsum is a sequential scan), their max)."""
+    nb = tab.shape[0]
+    g = torch.index_select(tab.view(-1), 0, idx, out=ws("g", (nb * 32,), torch.float64)).view(nb, 32)
+    total = torch.cumsum(g, 1, out=ws("cs", (nb, 32), torch.float64))[:, -1].clone()
+    return total, (g.amax(1) if want_max else None)
 
 
 def _slab(
-    packed: torch.Tensor, s: torch.Tensor, g: torch.Tensor, divisor: bool, rule: ScaleRule
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One work item: packed [r, K/2], decoded block scales s [r, K/16] f32, g [r] f32."""
+    packed: torch.Tensor,
+    s: torch.Tensor,
+    g: torch.Tensor,
+    divisor: bool,
+    rule: ScaleRule,
+    ws: _Workspace,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    """One work item: packed [r, K/2], decoded block scales s [r, K/16] f32, g [r] f32; writes the
+    row slices ``out`` = (packed [r, K/2], scales [r, K/32], row stats [r, 5])."""
+    f32, f64, i32, u8 = torch.float32, torch.float64, torch.int32, torch.uint8
     r, kh = packed.shape
     nb, nb16 = r * kh // 16, r * kh // 8
-    ga = g.abs()[:, None, None]
-    xt = _POS8 * s.abs()[..., None]  # [r, K/16, 8], exact
-    at = (xt / ga if divisor else xt * ga).view(nb, 16)  # |x| by (block, half * 8 + magnitude)
-    neg = (torch.signbit(s) ^ torch.signbit(g)[:, None]).view(nb16, 1)
+    xt = torch.mul(_POS8, s.abs()[..., None], out=ws("xt", (r, kh // 8, 8), f32))  # exact
+    at = ws("at", (nb, 16), f32)  # |x| by (32-block, half * 8 + magnitude)
+    (torch.div if divisor else torch.mul)(xt, g.abs()[:, None, None], out=at.view(r, kh // 8, 8))
     p16 = packed.view(nb16, 8)
-    lo, hi = p16 & 7, (p16 >> 4) & 7
+    lo = torch.bitwise_and(p16, 7, out=ws("lo", (nb16, 8), u8))
+    hi = torch.bitwise_right_shift(p16, 4, out=ws("hi", (nb16, 8), u8)).bitwise_and_(7)
     mm = torch.maximum(lo.amax(1), hi.amax(1))
     amax = at.view(nb16, 8).gather(1, mm.long()[:, None]).view(nb, 2).amax(1)
     zero = amax == 0
-    idx = torch.empty(nb16, 8, 2, dtype=torch.int32)
-    b_lo, b_hi = _base_index(nb16)
-    torch.add(b_lo, lo, out=idx[..., 0])
-    torch.add(b_hi, hi, out=idx[..., 1])
+    ebits = torch.bitwise_and(at.view(i32), 0x7F800000, out=ws("ebits", (nb, 16), i32))
+    idx = ws("idx", (nb16, 8, 2), i32)  # flat table index of every element, in element order
+    base = _base_index(nb16)
+    torch.add(base, lo, out=idx[..., 0])
+    torch.add(base, hi, out=idx[..., 1])
     flat = idx.view(-1)
+    a64 = ws("a64", (nb, 16), f64).copy_(at)
     if rule is ScaleRule.MSE:
-        er = rceil_exponent(amax)
-        ea = torch.where(zero, 0, er.clamp(-127, 127))
-        eb = torch.where(zero, 0, (er - 1).clamp(-127, 127))
-        ra, ta = _cand_tab(at, ea)
-        rb, tb = _cand_tab(at, eb)
-        ga, gb = _gather(ta, flat, nb), _gather(tb, flat, nb)
-        err_a, err_b = _seq_sum(ga), _seq_sum(gb)
+        er = rceil_exponent(amax) + 127  # scale bytes of the two candidates, clamped; zero blocks 127
+        ea = torch.where(zero, 127, er.clamp(0, 254))
+        eb = torch.where(zero, 127, (er - 1).clamp_(0, 254))
+        ra, ua = _cand_tab(at, ebits, ea, ws, "a")
+        rb, ub = _cand_tab(at, ebits, eb, ws, "b")
+        sa, sb = _SQ64.index_select(0, ea), _SQ64.index_select(0, eb)  # 4^e commutes with rounding
+        err_a, mx_a = _gather_sum(ua, flat, ws, True)
+        err_b, mx_b = _gather_sum(ub, flat, ws, True)
+        assert mx_a is not None and mx_b is not None
+        err_a, err_b = err_a.mul_(sa), err_b.mul_(sb)
         pick = err_b < err_a
         e = torch.where(pick, eb, ea)
-        err, mx = torch.where(pick, err_b, err_a), torch.where(pick, gb.amax(1), ga.amax(1))
-        rtab = torch.where(pick[:, None], rb, ra)
+        err, mx = torch.where(pick, err_b, err_a), torch.where(pick, mx_b.mul_(sb), mx_a.mul_(sa))
+        rtab = torch.where(pick[:, None], rb, ra, out=ws("rt", (nb, 16), f32))
     else:
-        e = scale_exponent(amax, rule)
-        rtab, t = _cand_tab(at, e)
-        gt = _gather(t, flat, nb)
-        err, mx = _seq_sum(gt), gt.amax(1)
-    a64 = at.double()
-    sig = _seq_sum(_gather(a64.mul_(a64), flat, nb))
-    codes = _grid_code(rtab).view(-1).index_select(0, flat).view(nb16, 8, 2)
-    signs = (p16 & 0x88) ^ (neg.to(torch.uint8) * 0x88)
-    out = (codes[..., 0] | (codes[..., 1] << 4)) | signs
-    clipped = amax.double() * pow2_float64(-e) > F4_E2M1_MAX
+        e = scale_exponent(amax, rule) + 127
+        rtab, u = _cand_tab(at, ebits, e, ws, "a")
+        s4 = _SQ64.index_select(0, e)
+        err, mx_e = _gather_sum(u, flat, ws, True)
+        assert mx_e is not None
+        err, mx = err.mul_(s4), mx_e.mul_(s4)
+    sig, _ = _gather_sum(a64.mul_(a64), flat, ws, False)
+    key = torch.bitwise_right_shift(rtab.view(i32), 22, out=ws("c", (nb, 16), i32))
+    ctab = torch.index_select(_CODE_LUT, 0, key.view(-1), out=ws("ct", (nb * 16,), u8))
+    codes = torch.index_select(ctab, 0, flat, out=ws("co", (nb * 32,), u8)).view(nb16, 8, 2)
+    o = out[0].view(nb16, 8)
+    torch.bitwise_left_shift(codes[..., 1], 4, out=o)
+    o |= codes[..., 0]
+    o |= lo.copy_(p16).bitwise_and_(0x88)  # the sign bits
+    neg = torch.signbit(s) ^ torch.signbit(g)[:, None]
+    if bool(neg.any()):  # negative block / global scales flip the sign bits
+        o ^= neg.view(nb16, 1).to(u8) * 0x88
+    out[1].copy_(e.view(r, -1))
+    clipped = amax > _SIX32.index_select(0, e)  # amax * 2^-e > 6, exactly
     nbr = nb // r
-    stats = _row_stats(
-        err.view(r, nbr), sig.view(r, nbr), mx.view(r, nbr), clipped.view(r, nbr), (err == 0).view(r, nbr)
+    out[2].copy_(
+        _row_stats(
+            err.view(r, nbr), sig.view(r, nbr), mx.view(r, nbr), clipped.view(r, nbr), (err == 0).view(r, nbr)
+        )
     )
-    stats[:, 2].sqrt_()  # sqrt(fl(d*d)) == |d| in binary floating point
-    return out.view(r, kh), (e + 127).to(torch.uint8).view(r, nbr), stats
+    out[2][:, 2].sqrt_()  # sqrt(fl(d*d)) == |d| in binary floating point
 
 
 @contextmanager
@@ -322,10 +373,15 @@ def requant_rows_cpu(
     g = global_rows.float()
     step = max(1, _SLAB_WEIGHTS // k)
 
+    local = threading.local()
+
     def work(r0: int) -> None:
+        ws = getattr(local, "ws", None)
+        if ws is None:
+            ws = local.ws = _Workspace()
         r1 = min(r, r0 + step)
-        o, sc, st = _slab(packed[r0:r1].contiguous(), s[r0:r1], g[r0:r1], divisor, rule)
-        out[r0:r1], scales_out[r0:r1], row_stats[r0:r1] = o, sc, st
+        dest = (out[r0:r1], scales_out[r0:r1], row_stats[r0:r1])
+        _slab(packed[r0:r1].contiguous(), s[r0:r1], g[r0:r1], divisor, rule, ws, dest)
 
     n_threads = threads or int(os.environ.get("MXFP4CONV_CPU_THREADS", "0")) or torch.get_num_threads()
     starts = range(0, r, step)
@@ -380,11 +436,12 @@ def requant_nvfp4_to_mxfp4(
         from mxfp4conv.kernels.requant_triton import requant_rows
     for r0 in range(0, r, chunk_rows):
         r1 = min(r, r0 + chunk_rows)
-        args = (packed[r0:r1], scales[r0:r1], grows[r0:r1])
+        pc, sc_in, gc = packed[r0:r1], scales[r0:r1], grows[r0:r1]
         if use_cuda:
-            p, sc, st = requant_rows(*(_to_device(a, device) for a in args), w.global_is_divisor, rule)
+            pc, sc_in, gc = _to_device(pc, device), _to_device(sc_in, device), _to_device(gc, device)
+            p, sc, st = requant_rows(pc, sc_in, gc, w.global_is_divisor, rule)
         else:
-            p, sc, st = requant_rows_cpu(*args, w.global_is_divisor, rule)
+            p, sc, st = requant_rows_cpu(pc, sc_in, gc, w.global_is_divisor, rule)
         out[r0:r1], scales_out[r0:r1] = p.cpu(), sc.cpu()
         stats.add_rows(st, k // MX_BLOCK)
     mx = FP4Weight("mxfp4", out.view(*lead, kh), scales_out.view(*lead, k // MX_BLOCK))

@@ -12,6 +12,8 @@ import types
 import numpy as np
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import mxfp4conv.requant as rq
 from mxfp4conv.canonical import FP4Weight
@@ -77,6 +79,48 @@ def test_cpu_fast_path_matches_composition(rule: ScaleRule, divisor: bool) -> No
         assert_same(fast, ref)
 
 
+@pytest.mark.parametrize("rule", RULES, ids=IDS)
+def test_rows_near_fp32_max_match_composition(rule: ScaleRule) -> None:
+    """Raw rows (no validation) with amax in [1.75 * 2^127, fp32 max]: EVEN picks 2^127 and RCEIL
+    2^126, so e2m1 * 2^e overflows float32; the error uses the exact dq (float64), finite."""
+    gen = torch.Generator().manual_seed(13)
+    packed = torch.randint(0, 256, (8, 64), generator=gen, dtype=torch.uint8)
+    packed[:, ::16] |= 0x07
+    sc = torch.full((8, 8), 0x7E, dtype=torch.uint8).view(torch.float8_e4m3fn)  # 448
+    g = torch.tensor([3.2e38 / 2688, 3.0e38 / 2688, 3.4e38 / 2688, 2.9e38 / 2688] * 2)
+    fast = requant_rows_cpu(packed, sc, g, False, rule)
+    assert_same(fast, requant_rows_reference(packed, sc, g, False, rule))
+    assert bool(torch.isfinite(fast[2]).all())
+
+
+_G_VALUES = [1.0, 2.0**-20, 3.0e-4, 1 / 2688, 7.0, 448.0, 1e-38, 2.0**-149, 1e30, 0.1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 3),
+    blocks=st.integers(1, 3),
+    seed=st.integers(0, 2**31 - 1),
+    g_idx=st.lists(st.integers(0, len(_G_VALUES) - 1), min_size=3, max_size=3),
+    divisor=st.booleans(),
+    rule=st.sampled_from(RULES),
+)
+def test_property_fast_path_equals_composition(
+    rows: int, blocks: int, seed: int, g_idx: list[int], divisor: bool, rule: ScaleRule
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    k = 32 * blocks
+    packed = torch.randint(0, 256, (rows, k // 2), generator=gen, dtype=torch.uint8)
+    sc = torch.randint(0, 256, (rows, k // 16), generator=gen, dtype=torch.uint8)
+    sc[(sc & 0x7F) == 0x7F] = 0x38  # no NaN patterns; negative and zero scales stay
+    g = torch.tensor([_G_VALUES[i] for i in g_idx[:rows]], dtype=torch.float32)
+    g = 1.0 / g if divisor else g
+    top = np.float32(6 * 448) * (1 / g if divisor else g).abs().numpy()
+    assume(bool(torch.isfinite(g).all()) and bool(np.all(top < MAX_REQUANT_MAGNITUDE)))  # valid input
+    data = (packed, sc.view(torch.float8_e4m3fn), g)
+    assert_same(requant_rows_cpu(*data, divisor, rule), requant_rows_reference(*data, divisor, rule))
+
+
 def test_cpu_path_is_sequential_where_it_matters() -> None:
     # requant_rows_cpu relies on CPU cumsum being a left-to-right scan (per block, per row).
     t = torch.tensor([1.0] + [2.0**-53] * 31, dtype=torch.float64)
@@ -127,10 +171,11 @@ def test_chunk_rows_give_identical_bytes_and_stats(divisor: bool) -> None:
     outs = [requant_nvfp4_to_mxfp4(w, ScaleRule.MSE, chunk_rows=c) for c in (1, 7, 64, 10_000)]
     mx0, st0 = outs[0]
     assert mx0.quant == "mxfp4" and mx0.packed.shape == (3, 20, 128) and mx0.scales.shape == (3, 20, 8)
-    for mx, st in outs[1:]:
+    for mx, stats in outs[1:]:
         assert torch.equal(mx.packed, mx0.packed) and torch.equal(mx.scales, mx0.scales)
-        assert st == st0
+        assert stats == st0
     # and both equal the plain composition on the flattened rows
+    assert w.global_rows is not None
     p, s, rs = requant_rows_reference(
         w.packed.reshape(-1, 128), w.scales.reshape(-1, 16), w.global_rows.reshape(-1), divisor, ScaleRule.MSE
     )
@@ -152,7 +197,15 @@ def test_stats_fields_and_json() -> None:
     assert 0 < st_mse.max_abs_err < 1
     d = st_mse.to_dict()
     assert json.loads(json.dumps(d, allow_nan=False)) == d
-    assert set(d) == {"blocks", "clipped_blocks", "exact_blocks", "sq_err", "signal", "max_abs_err", "sqnr_db"}
+    assert set(d) == {
+        "blocks",
+        "clipped_blocks",
+        "exact_blocks",
+        "sq_err",
+        "signal",
+        "max_abs_err",
+        "sqnr_db",
+    }
     m = st_floor.merge(st_rceil)
     assert m.blocks == 2 * st_floor.blocks and m.sq_err == st_floor.sq_err + st_rceil.sq_err
     assert m.max_abs_err == max(st_floor.max_abs_err, st_rceil.max_abs_err)
@@ -182,13 +235,16 @@ def test_invalid_input_raises() -> None:
     with pytest.raises(ValueError, match=r"NaN e4m3 block scale at index \(0, 2, 1\)"):
         requant_nvfp4_to_mxfp4(w)
     w = nvfp4_weight(1, 4, 64, False, seed=7)
+    assert w.global_rows is not None
     w.global_rows[0, 3] = 0.0
     with pytest.raises(ValueError, match="zero global scale"):
         requant_nvfp4_to_mxfp4(w)
     with pytest.raises(ValueError):
         requant_nvfp4_to_mxfp4(FP4Weight("mxfp4", torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 1)))
     with pytest.raises(ValueError):
-        requant_rows_cpu(torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(2, 1), torch.ones(2), False, "mse")
+        requant_rows_cpu(
+            torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(2, 1), torch.ones(2), False, ScaleRule.MSE
+        )
 
 
 def test_cpu_path_never_imports_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

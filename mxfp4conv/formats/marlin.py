@@ -77,7 +77,7 @@ def _pair_nibbles_(tiles: torch.Tensor, a8: bool) -> None:
         t ^= hi
         t &= _LO_NIBBLES
         hi ^= t
-        t <<= 4
+        t <<= 4  # may reach the sign bit: torch shifts as unsigned (wraps) on CPU and CUDA
         lo ^= t
         return
     x = tiles.view(torch.int64)
@@ -117,7 +117,7 @@ def repack_fp4_weight(packed: torch.Tensor, *, a8: bool = False) -> torch.Tensor
     """
     *lead, n, k2 = packed.shape
     nt, rows, kt, units = _tile_shape(n, 2 * k2, a8)
-    x = _aligned(_as_u8(packed)).view(torch.int64).reshape(-1, nt, rows, kt, units)
+    x = _aligned(_as_u8(packed)).view(torch.int64).reshape(math.prod(lead), nt, rows, kt, units)
     tiles = x.permute(0, 3, 1, 2, 4).clone(memory_format=torch.contiguous_format)  # never the input
     tiles = tiles.view(torch.uint8).reshape(-1, 512)
     _pair_nibbles_(tiles, a8)
@@ -138,7 +138,7 @@ def unrepack_fp4_weight(marlin: torch.Tensor, n: int, k: int, *, a8: bool = Fals
     idx = _tile_gather(a8, True, words.device)
     tiles = torch.gather(words, 1, idx.expand(words.shape[0], 512))
     _pair_nibbles_(tiles, a8)
-    x = tiles.view(torch.int64).reshape(-1, kt, nt, rows, units).permute(0, 2, 3, 1, 4)
+    x = tiles.view(torch.int64).reshape(math.prod(lead), kt, nt, rows, units).permute(0, 2, 3, 1, 4)
     return x.contiguous().view(torch.uint8).reshape(*lead, n, k // 2)
 
 

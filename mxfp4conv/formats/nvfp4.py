@@ -75,7 +75,9 @@ def validate_nvfp4_scales(
     overflow float32).
     """
     if tuple(global_rows.shape) != tuple(scales.shape[:-1]):
-        return f"global scale shape {tuple(global_rows.shape)} does not match block scales {tuple(scales.shape)}"
+        return (
+            f"global scale shape {tuple(global_rows.shape)} does not match block scales {tuple(scales.shape)}"
+        )
     idx = _first(e4m3_nan_mask(scales))
     if idx is not None:
         return f"NaN e4m3 block scale at index {idx}"

@@ -87,7 +87,7 @@ ENCODE_GOLDEN = [
 def test_e2m1_encode_golden() -> None:
     x = torch.tensor([v for v, _ in ENCODE_GOLDEN], dtype=torch.float32)
     got = e2m1_encode(x).tolist()
-    for (v, want), g in zip(ENCODE_GOLDEN, got):
+    for (v, want), g in zip(ENCODE_GOLDEN, got, strict=True):
         assert g == want, f"encode({v!r}) = {g:#06b}, want {want:#06b}"
 
 
@@ -134,10 +134,8 @@ def test_e2m1_encode_matches_torch_float4_cast() -> None:
         packed = a.to(torch.float4_e2m1fn_x2).view(torch.uint8)
     except (NotImplementedError, RuntimeError, TypeError) as exc:
         pytest.skip(f"torch cannot cast float32 -> float4_e2m1fn_x2 here: {exc}")
-    if packed.numel() == a.numel():  # one code per byte
-        want = packed & 0xF
-    else:
-        want = unpack_nibbles(packed.reshape(-1))
+    # one code per byte, or two packed per byte
+    want = packed & 0xF if packed.numel() == a.numel() else unpack_nibbles(packed.reshape(-1))
     assert torch.equal(e2m1_encode(a), want)
 
 
@@ -215,7 +213,7 @@ E4M3_GOLDEN = {
 def test_e4m3_decode_golden_and_nan() -> None:
     bits = torch.tensor(list(E4M3_GOLDEN), dtype=torch.uint8)
     got = e4m3_decode(bits).tolist()
-    for (b, want), g in zip(E4M3_GOLDEN.items(), got):
+    for (b, want), g in zip(E4M3_GOLDEN.items(), got, strict=True):
         assert g == want and math.copysign(1, g) == math.copysign(1, want), hex(b)
     nan = e4m3_decode(torch.tensor([0x7F, 0xFF], dtype=torch.uint8))
     assert torch.isnan(nan).all()

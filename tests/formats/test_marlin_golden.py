@@ -1,4 +1,4 @@
-"""Marlin FP4 layout: golden vectors (vLLM 0.33.0) byte for byte, plus round trips and references.
+"""Marlin FP4 layout: every golden case (vLLM 0.33.0) byte for byte (round trips: test_marlin_roundtrip.py).
 
 Golden folder: ``$MXFP4CONV_GOLDEN_MARLIN`` if set, else the in-repo copy ``tests/data/golden_marlin``
 (present on a fresh clone), else ``<repo>/../shared/golden/marlin``.
@@ -22,19 +22,22 @@ COPY = REPO / "tests" / "data" / "golden_marlin"
 SHARED = REPO.parent / "shared" / "golden" / "marlin"
 
 
-def golden_dir() -> Path:
+def _resolve() -> Path | None:
     env = os.environ.get("MXFP4CONV_GOLDEN_MARLIN")
-    for cand in ([Path(env)] if env else []) + [COPY, SHARED]:
-        if (cand / "index.json").is_file():
-            return cand
-    pytest.skip("no Marlin golden folder found")
+    cands = ([Path(env)] if env else []) + [COPY, SHARED]
+    return next((c for c in cands if (c / "index.json").is_file()), None)
+
+
+def golden_dir() -> Path:
+    root = _resolve()
+    if root is None:
+        pytest.skip("no Marlin golden folder found")
+    return root
 
 
 def _index() -> list[dict]:
-    for cand in (COPY, SHARED):
-        if (cand / "index.json").is_file():
-            return list(json.loads((cand / "index.json").read_text()))
-    return []
+    root = _resolve()
+    return list(json.loads((root / "index.json").read_text())) if root else []
 
 
 CASES = _index()

@@ -198,6 +198,9 @@ def test_rescale_factor_rule() -> None:
         assert M.nvfp4_rescale_factor(s, torch.float16) == 1.0
     assert M.nvfp4_rescale_factor(torch.zeros(4, dtype=torch.uint8), torch.bfloat16) == 1.0
     assert M.nvfp4_rescale_factor(torch.tensor([0xC8], dtype=torch.uint8), torch.bfloat16) == 1.0
+    # NaN codes (0x7F, 0xFF) are not "positive scales" (vLLM: NaN > 0 is False): max is 4.0 -> 64
+    nan = torch.tensor([0x48, 0x7F, 0xFF, 0x30], dtype=torch.uint8)
+    assert M.nvfp4_rescale_factor(nan, torch.bfloat16) == 64.0
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -343,3 +346,9 @@ def test_two_byte_lookup_equals_byte_lookup(log2sf: int) -> None:
     assert torch.equal(M._apply_lut(x, lut, pair), lut[x.long()])
     odd = x.reshape(-1)[1:4].reshape(1, 3)  # odd length and odd offset: the byte-wise fallback
     assert torch.equal(M._apply_lut(odd, lut, pair), lut[odd.long()])
+
+
+def test_empty_expert_dim() -> None:
+    m = M.repack_fp4_weight(torch.zeros(0, 64, 64, dtype=torch.uint8))
+    assert m.shape == (0, 8, 128)
+    assert M.unrepack_fp4_weight(m, 64, 128).shape == (0, 64, 64)

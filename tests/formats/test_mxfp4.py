@@ -101,7 +101,7 @@ def ref_block(xs: list[float], rule: str) -> tuple[list[int], int, float, float,
     else:
         e = clamp(ref_exponent(amax, rule))
         mags, ds = ref_candidate(xs, e)
-    codes = [m | (8 if math.copysign(1.0, x) < 0 else 0) for m, x in zip(mags, xs)]
+    codes = [m | (8 if math.copysign(1.0, x) < 0 else 0) for m, x in zip(mags, xs, strict=True)]
     sq = ref_seq_sq(ds)
     return (codes, e + 127, sq, ref_seq_sq(xs), max(abs(d) for d in ds),
             amax * 2.0**-e > 6.0, all(d == 0 for d in ds))  # fmt: skip
@@ -203,7 +203,11 @@ def test_scale_bytes_golden() -> None:
 
 def test_dequantize_golden() -> None:
     packed = torch.tensor([[0b1010_0001] + [0] * 15], dtype=torch.uint8)  # codes 1 (0.5), 10 (-1.0)
-    assert dequantize_mxfp4(packed, torch.tensor([[129]], dtype=torch.uint8))[0, :3].tolist() == [2.0, -4.0, 0.0]
+    assert dequantize_mxfp4(packed, torch.tensor([[129]], dtype=torch.uint8))[0, :3].tolist() == [
+        2.0,
+        -4.0,
+        0.0,
+    ]
     assert dequantize_mxfp4(packed, torch.tensor([[0]], dtype=torch.uint8))[0, 0].item() == 2.0**-128
     with pytest.raises(ValueError):
         dequantize_mxfp4(packed, torch.tensor([[255]], dtype=torch.uint8))

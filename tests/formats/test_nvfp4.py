@@ -64,7 +64,9 @@ def test_per_row_global_scales_and_leading_dims() -> None:
 
 def test_uint8_scale_bits_accepted() -> None:
     packed = torch.tensor([[0x77] * 8], dtype=torch.uint8)
-    a = dequantize_nvfp4(packed, torch.tensor([[0x01]], dtype=torch.uint8), torch.tensor([1.0]), divisor=False)
+    a = dequantize_nvfp4(
+        packed, torch.tensor([[0x01]], dtype=torch.uint8), torch.tensor([1.0]), divisor=False
+    )
     assert a[0, 0].item() == 6 * 2.0**-9  # subnormal e4m3 block scale, exact
 
 
