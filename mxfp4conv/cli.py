@@ -130,6 +130,7 @@ def _render_inspect(doc: dict[str, Any]) -> None:
 @click.option("--scale-rule", default="mse", show_default=True, type=click.Choice(["mse", "even", "floor", "rceil"]),
               help="E8M0 scale rule for NVFP4 -> MXFP4 requantization.")
 @click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | cuda:N (same bytes on all).")
+@click.option("--devices", default=None, metavar="0,1", help="GPU ids to spread work units over (default with --device cuda: all).")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard.")
 @click.option("--tp-size", default=1, show_default=True, type=click.IntRange(1, 64), help="Marlin: tensor-parallel size.")
 @click.option("--engine", default="vllm", show_default=True, type=click.Choice(["vllm", "sglang"]), help="Marlin: target engine.")
@@ -144,7 +145,7 @@ def _render_inspect(doc: dict[str, Any]) -> None:
 @click.option("--skip-if-current", is_flag=True, help="Do nothing if DST's manifest matches this input and these options.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as one JSON document on stdout.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
-def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, max_shard_size: str, tp_size: int,
+def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, devices: str | None, max_shard_size: str, tp_size: int,
                 engine: str, keep_nvfp4: bool, revision: str | None, overwrite: bool, dry_run: bool, no_verify: bool,
                 resume: bool, partition: str | None, finish: bool, skip_if_current: bool, as_json: bool,
                 debug: bool) -> None:
@@ -168,7 +169,8 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, m
         opts = ConvertOptions(target=target, scale_rule=scale_rule, device=_device(device),
                               max_shard_size=parse_size(max_shard_size), overwrite=overwrite, dry_run=dry_run,
                               verify=not no_verify, skip_if_current=skip_if_current, revision=revision, extra=extra,
-                              resume=resume, partition=_partition(partition), finish=finish)
+                              resume=resume, partition=_partition(partition), finish=finish,
+                              devices=_device_list(devices))
         progress = None if as_json or not sys.stderr.isatty() else _progress_bar()
         try:
             report = convert(src, dst, opts, on_progress=progress)
@@ -183,6 +185,14 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, m
         return 0
 
     _run(debug, run)
+
+
+def _device_list(text: str | None) -> tuple[str, ...]:
+    if not text:
+        return ()
+    if not re.fullmatch(r"\d+(,\d+)*", text):
+        raise click.BadParameter(f"{text!r}: use GPU ids like 0,1", param_hint="--devices")
+    return tuple(f"cuda:{i}" for i in text.split(","))
 
 
 def _partition(text: str | None) -> tuple[int, int] | None:

@@ -12,7 +12,9 @@ import json
 import os
 import shutil
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,7 @@ class ConvertOptions:
     resume: bool = False  # reuse finished shards of an interrupted run's staging folder
     partition: tuple[int, int] | None = None  # (i, n): write only shards j with j % n == i, publish nothing
     finish: bool = False  # publish once every partition's shards are in the staging folder
+    devices: tuple[str, ...] = ()  # explicit devices for unit transforms, e.g. ("cuda:0", "cuda:1")
 
     def fingerprint_dict(self) -> dict[str, Any]:
         return {"target": self.target, "scale_rule": self.scale_rule, "max_shard_size": self.max_shard_size,
@@ -152,22 +155,56 @@ def _itemsize(dtype: str) -> int:
     return DTYPES[dtype][1]
 
 
+def _devices(opts: ConvertOptions) -> list[str]:
+    """Where units are transformed: every visible GPU for ``--device cuda``, the listed ones, or one device."""
+    if opts.devices:
+        return list(opts.devices)
+    if opts.device == "cuda" and torch.cuda.is_available():
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    return [opts.device]
+
+
+def _transform(spec: UnitSpec, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext,
+               opts: ConvertOptions, device: str) -> tuple[list[torch.Tensor], dict[str, Any], float, float]:
+    """Read one unit, requantize it if needed, encode it: (tensors, requant stats, read s, transform s)."""
+    t0 = time.perf_counter()
+    unit = layout.read(ckpt, spec)
+    t1 = time.perf_counter()
+    stats: dict[str, Any] = {}
+    if ctx.options.get("keep_nvfp4") != "1":
+        unit, stats = to_mxfp4(unit, rule=opts.scale_rule, device=device)
+    _validate_mx(unit, spec, ckpt)
+    outs = target.encode(unit, spec, ctx)
+    return outs, stats, t1 - t0, time.perf_counter() - t1
+
+
+def _unit_results(shard: _ShardPlan, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext,
+                  opts: ConvertOptions) -> Iterator[tuple[list[torch.Tensor], dict[str, Any], float, float]]:
+    """Units in plan order. With several devices, one unit per device is in flight (bounded memory)."""
+    devs = _devices(opts)
+    if len(devs) == 1:
+        for spec in shard.units:
+            yield _transform(spec, ckpt, layout, target, ctx, opts, devs[0])
+        return
+    with ThreadPoolExecutor(max_workers=len(devs), thread_name_prefix="mxfp4conv-unit") as pool:
+        window: deque[Future[tuple[list[torch.Tensor], dict[str, Any], float, float]]] = deque()
+        for i, spec in enumerate(shard.units):
+            window.append(pool.submit(_transform, spec, ckpt, layout, target, ctx, opts, devs[i % len(devs)]))
+            if len(window) >= len(devs):
+                yield window.popleft().result()
+        while window:
+            yield window.popleft().result()
+
+
 def _encode_shard(shard: _ShardPlan, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext,
                   opts: ConvertOptions, report: ConvertReport, on_progress: Progress | None,
                   done: list[int], total: int) -> Iterator[torch.Tensor]:
-    for spec in shard.units:
-        t0 = time.perf_counter()
-        unit = layout.read(ckpt, spec)
-        t1 = time.perf_counter()
-        if ctx.options.get("keep_nvfp4") != "1":
-            unit, stats = to_mxfp4(unit, rule=opts.scale_rule, device=opts.device)
-            report.requant_stats.update(stats)
-        _validate_mx(unit, spec, ckpt)
-        outs = target.encode(unit, spec, ctx)
+    results = _unit_results(shard, ckpt, layout, target, ctx, opts)
+    for spec, (outs, stats, t_read, t_transform) in zip(shard.units, results, strict=True):
+        report.requant_stats.update(stats)
+        report.seconds["read"] = report.seconds.get("read", 0.0) + t_read
+        report.seconds["transform"] = report.seconds.get("transform", 0.0) + t_transform
         expect = target.out_specs(spec, ctx)
-        t2 = time.perf_counter()
-        report.seconds["read"] = report.seconds.get("read", 0.0) + t1 - t0
-        report.seconds["transform"] = report.seconds.get("transform", 0.0) + t2 - t1
         for o, t in zip(expect, outs, strict=True):
             if st_dtype(t.dtype) != o.dtype or tuple(t.shape) != o.shape:
                 raise AssertionError(f"{o.name}: encoded {st_dtype(t.dtype)}{list(t.shape)}, planned {o.dtype}{list(o.shape)}")

@@ -264,3 +264,14 @@ def test_resume_reuses_rechecked_shards(srcs: dict[str, Path], tmp_path: Path) -
     assert not staging.exists()
     for name, mtime in mtimes.items():  # intact finished shards were reused, not rewritten
         assert (tmp_path / "o" / name).stat().st_mtime_ns == mtime, name
+
+
+@pytest.mark.parametrize("layout", ["ct-mxfp4", "ct-nvfp4"])
+def test_worker_count_does_not_change_bytes(srcs: dict[str, Path], tmp_path: Path, layout: str) -> None:
+    """Units spread over several workers (the multi-GPU path, here on CPU) come out byte-identical."""
+    from mxfp4conv.pipeline import ConvertOptions, convert
+
+    convert(srcs[layout], tmp_path / "one", ConvertOptions(target="quark", device="cpu", max_shard_size=40_000))
+    convert(srcs[layout], tmp_path / "three", ConvertOptions(target="quark", device="cpu", max_shard_size=40_000,
+                                                            devices=("cpu", "cpu", "cpu")))
+    assert tree_hashes(tmp_path / "one") == tree_hashes(tmp_path / "three")
