@@ -77,8 +77,9 @@ def plain_requant_even(packed: torch.Tensor, scales: torch.Tensor, g: torch.Tens
     x = (v.reshape(r, k // 16, 16) * scales.float()[..., None]).reshape(r, k) * g[:, None]
     xb = x.reshape(r, k // 32, 32)
     amax = xb.abs().amax(-1)
-    e = (((amax.view(torch.int32) + 0x200000) >> 23) & 0xFF) - 129
-    e = torch.where(amax == 0, torch.zeros_like(e), e.clamp(-127, 127))
+    field = ((amax.view(torch.int32) + 0x200000) >> 23) & 0xFF
+    e = torch.where(field == 255, 127, field - 129).clamp(-127, 127)
+    e = torch.where(amax == 0, torch.zeros_like(e), e)
     inv = ((127 - e) << 23).view(torch.float32)
     q = xb * inv[..., None]
     a = q.abs()
@@ -116,11 +117,11 @@ def bench_configs(r: int, k: int, dev: torch.device, base: dict[str, Any], out: 
     """Time the launch shapes (EVEN, multiplier); return the fastest."""
     slab, outs = make_slab(r, k, False, dev), _outs(r, k, dev)
     best: tuple[float, KernelConfig] = (float("inf"), KernelConfig())
-    for nw, cb in ((2, 1), (4, 1), (8, 1), (4, 2), (4, 4)):
-        cfg = KernelConfig(num_warps=nw, blocks_per_iter=cb)
+    for nw, cb, pf in ((4, 1, False), (8, 1, False), (4, 2, False), (4, 1, True), (8, 1, True)):
+        cfg = KernelConfig(num_warps=nw, blocks_per_iter=cb, prefetch=pf)
         ms, _, _ = bench_ms(lambda cfg=cfg: requant_rows_into(*slab, False, "even", *outs, config=cfg), 300)
         emit({**base, "case": "kernel_config", "rule": "even", "num_warps": nw, "blocks_per_iter": cb,
-              "ms": round(ms, 4), "Gweights_s": round(r * k / ms / 1e6, 1)}, out)
+              "prefetch": pf, "ms": round(ms, 4), "Gweights_s": round(r * k / ms / 1e6, 1)}, out)
         if ms < best[0]:
             best = (ms, cfg)
     return best[1]
@@ -140,9 +141,17 @@ def bench_kernel(r: int, k: int, dev: torch.device, cfg: KernelConfig, roof: flo
             gw = r * k / ms / 1e6
             emit({**base, "case": "kernel", "rule": rule, "convention": "ct_divisor" if divisor else "modelopt",
                   "shape": [r, k], "num_warps": cfg.num_warps, "blocks_per_iter": cfg.blocks_per_iter,
+                  "prefetch": cfg.prefetch,
                   "ms": round(ms, 4), "ms_min": round(lo, 4), "ms_max": round(hi, 4),
                   "Gweights_s": round(gw, 1), "HBM_GBps": round(gw * BYTES_PER_WEIGHT, 1),
                   "of_roofline": round(gw / roof, 3)}, out)
+    # Diagnostic: the divisor convention through PTX div.rn.f32 instead of Markstein's correction.
+    slab = make_slab(r, k, True, dev)
+    plain = KernelConfig(cfg.num_warps, cfg.blocks_per_iter, fast_div=False, prefetch=cfg.prefetch)
+    ms, _, _ = bench_ms(lambda: requant_rows_into(*slab, True, "even", *outs, config=plain))
+    emit({**base, "case": "kernel_divrn_diagnostic", "rule": "even", "convention": "ct_divisor",
+          "shape": [r, k], "ms": round(ms, 4), "Gweights_s": round(r * k / ms / 1e6, 1),
+          "fast_div_speedup": round(ms / kernel_ms[("even", True)], 2)}, out)
     # Diagnostic: the same kernel without the float64 statistics (not a contract mode).
     slab = make_slab(r, k, False, dev)
     for rule in ("even", "mse"):

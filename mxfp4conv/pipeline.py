@@ -172,7 +172,12 @@ def _transform(spec: UnitSpec, ckpt: Checkpoint, layout: Any, target: Target, ct
     t1 = time.perf_counter()
     stats: dict[str, Any] = {}
     if ctx.options.get("keep_nvfp4") != "1":
-        unit, stats = to_mxfp4(unit, rule=opts.scale_rule, device=device)
+        try:
+            unit, stats = to_mxfp4(unit, rule=opts.scale_rule, device=device)
+        except ValueError as exc:  # invalid NVFP4 scales: name the unit and the first source file
+            ref = ckpt.tensors[spec.sources[0]]
+            raise InputError(str(exc), file=ckpt.rel(ckpt.tensors[bad].file) if (bad := _scale_tensor(ckpt, spec)) in ckpt.tensors else ckpt.rel(ref.file), tensor=bad,
+                             hint="the checkpoint's scales are corrupt; re-export it") from exc
     _validate_mx(unit, spec, ckpt)
     outs = target.encode(unit, spec, ctx)
     return outs, stats, t1 - t0, time.perf_counter() - t1
@@ -212,6 +217,23 @@ def _encode_shard(shard: _ShardPlan, ckpt: Checkpoint, layout: Any, target: Targ
             yield t
         if on_progress:
             on_progress(done[0], total)
+
+
+def _scale_tensor(ckpt: Checkpoint, spec: UnitSpec) -> str:
+    """The first source tensor of a unit whose NVFP4 scales are invalid (error path only)."""
+    from mxfp4conv.formats.nvfp4 import validate_nvfp4_scales
+
+    for name in spec.sources:
+        for suffix in ("weight_global_scale", "weight_scale_2"):
+            if name.endswith("." + suffix):
+                g = ckpt.tensors[name].load().float().reshape(1)
+                if validate_nvfp4_scales(torch.zeros(1, 1, dtype=torch.float8_e4m3fn), g) is not None:
+                    return name
+        if name.endswith(".weight_scale") and ckpt.tensors[name].dtype == "F8_E4M3":
+            sc = ckpt.tensors[name].load()
+            if validate_nvfp4_scales(sc, torch.ones(sc.shape[:-1])) is not None:
+                return name
+    return spec.key
 
 
 def _validate_mx(unit: Any, spec: UnitSpec, ckpt: Checkpoint) -> None:

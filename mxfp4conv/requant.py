@@ -399,6 +399,9 @@ def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
     return t.to(device)
 
 
+GPU_MIN_CHUNK_ROWS = 1 << 17
+
+
 def requant_nvfp4_to_mxfp4(
     w: FP4Weight,
     rule: ScaleRule = ScaleRule.MSE,
@@ -434,6 +437,9 @@ def requant_nvfp4_to_mxfp4(
     use_cuda = device.startswith("cuda")
     if use_cuda:
         from mxfp4conv.kernels.requant_triton import requant_rows
+
+        # the kernel runs one thread per row: hand it enough rows to fill the GPU
+        chunk_rows = max(chunk_rows, GPU_MIN_CHUNK_ROWS)
     for r0 in range(0, r, chunk_rows):
         r1 = min(r, r0 + chunk_rows)
         pc, sc_in, gc = packed[r0:r1], scales[r0:r1], grows[r0:r1]

@@ -6,8 +6,9 @@ scaling, block maxima on powers of two and on the 1.5 / 1.75 mantissa boundaries
 either side), all-zero blocks, -0, second-level scales near the fp32 limits, subnormal E4M3 block
 scales and second-level scales where a reciprocal multiply differs from the IEEE division.
 
-Skipped without CUDA. For a CPU dry run of the kernel logic (slow, small sizes):
-``TRITON_INTERPRET=1 MXFP4CONV_GPU_TEST_SIZE=64x256 pytest tests/test_requant_gpu.py``.
+Skipped without CUDA. For a CPU dry run of the kernel logic in Triton's interpreter (slow, small
+sizes; ``--noconftest`` because conftest skips ``gpu`` tests without CUDA):
+``TRITON_INTERPRET=1 MXFP4CONV_GPU_TEST_SIZE=64x256 pytest --noconftest tests/test_requant_gpu.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import triton.language as tl  # noqa: E402
 
 from mxfp4conv.kernels.requant_triton import (  # noqa: E402
     KernelConfig,
+    auto_num_warps,
     requant_nvfp4_gpu_chunks,
     requant_rows,
     requant_rows_into,
@@ -300,16 +302,38 @@ def test_odd_shapes(rule: str) -> None:
 
 
 def test_configs_identical() -> None:
-    """Every launch shape gives the same bytes."""
-    packed, sc, g = random_nvfp4(1000, 512, False, seed=5)
-    cpu = requant_rows_cpu(packed, sc, g, False, _rule("mse"))
-    for nw, cb in ((1, 1), (2, 2), (4, 4), (8, 1)):
+    """Every launch shape gives the same bytes (prefetch included), and so does the plain
+    ``div.rn.f32`` division path."""
+    cases = [(False, KernelConfig(num_warps=1, blocks_per_iter=1)),
+             (False, KernelConfig(num_warps=2, blocks_per_iter=2)),
+             (False, KernelConfig(num_warps=8, blocks_per_iter=1)),
+             (False, KernelConfig(num_warps=4, prefetch=True)),
+             (True, KernelConfig(num_warps=4, fast_div=False)),
+             (True, KernelConfig(num_warps=4, fast_div=True)),
+             (True, KernelConfig(num_warps=8, prefetch=True))]
+    for divisor, cfg in cases:
+        packed, sc, g = random_nvfp4(1000, 512, divisor, seed=5)
+        cpu = requant_rows_cpu(packed, sc, g, divisor, _rule("even"))
         outs = (torch.empty((1000, 256), dtype=torch.uint8, device=DEV),
                 torch.empty((1000, 16), dtype=torch.uint8, device=DEV),
                 torch.empty((1000, 5), dtype=torch.float64, device=DEV))
-        requant_rows_into(packed.to(DEV), sc.to(DEV), g.to(DEV), False, _rule("mse"), *outs,
-                          config=KernelConfig(num_warps=nw, blocks_per_iter=cb))
-        assert_identical(outs, cpu, f"num_warps={nw} blocks_per_iter={cb}")
+        requant_rows_into(packed.to(DEV), sc.to(DEV), g.to(DEV), divisor, _rule("even"), *outs, config=cfg)
+        assert_identical(outs, cpu, f"{cfg} divisor={divisor}")
+    packed, sc, g = random_nvfp4(600, 256, True, seed=6)
+    cpu = requant_rows_cpu(packed, sc, g, True, _rule("mse"))
+    outs = (torch.empty((600, 128), dtype=torch.uint8, device=DEV),
+            torch.empty((600, 8), dtype=torch.uint8, device=DEV),
+            torch.empty((600, 5), dtype=torch.float64, device=DEV))
+    requant_rows_into(packed.to(DEV), sc.to(DEV), g.to(DEV), True, _rule("mse"), *outs,
+                      config=KernelConfig(num_warps=2, prefetch=True))
+    assert_identical(outs, cpu, "mse prefetch divisor")
+
+
+def test_auto_num_warps() -> None:
+    """The launch-shape heuristic: full waves on the benchmark slab, spread small inputs."""
+    assert auto_num_warps(131072, 132) == 8
+    assert auto_num_warps(4096, 132) == 1
+    assert auto_num_warps(1, 132) in (1, 2, 4, 8)
 
 
 def test_noncontiguous_inputs() -> None:

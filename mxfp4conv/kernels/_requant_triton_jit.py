@@ -7,19 +7,25 @@ so a CPU-only install without triton never touches it.
 Design (one program = ``ROWS`` rows, one row per thread, blocks walked in order):
 
 * The contract sums float64 statistics SEQUENTIALLY (per block over i = 0..31, per row over
-  blocks), so a thread owns whole rows and walks its row's 32-blocks in order; every element of a
-  block is a separate register (``tl.static_range`` unrolls the 32 positions), which makes the
-  float64 accumulation order exactly the contract's.
-* Pass 1 of a block needs no float work per element: ``amax = RN(max_i |e2m1_i| * |s_half|  (*|/) |g|)``
-  because RN and the positive scalings are monotonic, so the max code magnitude per 16-half (an
-  integer max over nibbles) gives amax exactly.
-* Pass 2 dequantizes each element (exact e2m1 * e4m3 product, then one rounding by the
-  second-level scale: multiply, or a true IEEE division via PTX ``div.rn.f32``), quantizes with the
-  block's power of two (exact), rounds to E2M1 with one fp32 add of a magic number (RNE at the
-  grid's step: 0.5 below 2, 1 in [2, 4), 2 above), and accumulates ``(x - dq)^2`` and ``x^2`` in
-  float64 with an FMA. Both squares are exact in float64 (24-bit operands; ``|x| - dq`` is exact
-  in fp32 by Sterbenz because dq is |x|'s nearest grid point or 0), so ``fma(d, d, s) == s + d*d``
-  rounded once, as the contract's sequential sum.
+  blocks), so a thread owns whole rows and walks its row's 32-blocks in order; the 32 positions of
+  a block are separate registers (the code is unrolled), so the float64 accumulation order is
+  exactly the contract's.
+* Signs never enter the float work: ``|x| = RN(|e2m1| * |s| (*|/) |g|)`` (RN is sign-symmetric) and
+  the output sign bit is ``signbit(x) = nibble sign ^ signbit(s) ^ signbit(g)`` (IEEE sign rule,
+  zeros included), applied to 8 codes at once with one XOR per packed word.
+* Per element: the E2M1 magnitude goes to fp32 bits 22..24, which reads as ``e2m1 * 2^-126``
+  (code 1 is the subnormal 2^-127), so an exact multiply by 2^126 gives the value; the e4m3 product
+  is exact; one rounding by the second-level scale: multiply, or a true IEEE division (Triton's
+  ``/`` is approximate and libdevice's ``div_rn`` is linked with flush-to-zero): PTX
+  ``div.rn.f32``, or, when every |g| of the program is in [2^-100, 2^100], Markstein's exact
+  correction from the per-row ``RN(1/|g|)`` (3 instructions instead of ~10).
+* E2M1 rounding is one fp32 FMA: ``y = RN(|x| * 2^-e + M)`` with M = 2^22, 2^23 or 2^24 (grid step
+  0.5, 1, 2 for |q| < 2, [2, 4), >= 4) rounds |q| to the grid, ties to even; the low bits of y give
+  the code. ``|x| * 2^-e`` is exact except when it underflows, and then it is far below half an ulp
+  of M, so the fused and unfused forms agree.
+* ``d = |x| - dq = fma(r, -2^e, |x|)`` is exact (Sterbenz; the fused product does not overflow for
+  e = 127, where dq = 2^128 does not fit fp32 but d does). d and |x| are 24-bit, so their squares
+  are exact in float64 and ``fma(d, d, s) == RN(s + d*d)``: the contract's sequential sum.
 * Launch with ``enable_fp_fusion=False`` so that no other mul/add pair is contracted.
 """
 
@@ -30,28 +36,6 @@ __all__ = ["requant_rows_kernel"]
 
 # Rules, as constexpr ids (the host maps ScaleRule onto these).
 # 0 FLOOR, 1 EVEN, 2 RCEIL, 3 MSE
-
-
-@triton.jit
-def _nib_f32(w, P: tl.constexpr):
-    """The exact fp32 value of E2M1 nibble ``P`` (0..7, low first) of int32 word ``w``.
-
-    The 3 magnitude bits go to fp32 bits 22..24 (exponent field ee, mantissa top bit m), which
-    reads as ``e2m1 * 2^-126`` (code 1 = 0.5 becomes the subnormal 2^-127); one exact multiply by
-    2^126 gives the value. The nibble's bit 3 becomes the sign bit (so code 8 is -0.0).
-    """
-    if 4 * P <= 22:  # noqa: SIM108 (constexpr branches)
-        mag = (w << (22 - 4 * P)) & 0x01C00000
-    else:
-        mag = (w >> (4 * P - 22)) & 0x01C00000
-    sgn = (w << (28 - 4 * P)) & -2147483648
-    return (mag | sgn).to(tl.float32, bitcast=True) * 8.507059173023462e37
-
-
-@triton.jit
-def _mag_f32(m):
-    """The fp32 value of an E2M1 magnitude code ``m`` (int32 0..7), exact."""
-    return (m << 22).to(tl.float32, bitcast=True) * 8.507059173023462e37
 
 
 @triton.jit
@@ -77,12 +61,71 @@ def _div_rn(x, y, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _second_level(p, g, DIVISOR: tl.constexpr, USE_ASM: tl.constexpr):
-    """``p * g`` (ModelOpt multiplier) or ``p / g`` (compressed-tensors divisor), one rounding."""
-    if DIVISOR:
-        return _div_rn(p, g, USE_ASM)
+def _fma32(a, b, c, USE_ASM: tl.constexpr):
+    """fp32 ``RN(a * b + c)``, fused. The interpreter's fma rounds the product first, so there it is
+    emulated in float64 (exact for the operands used here: power-of-two ``b``)."""
+    if USE_ASM:
+        return tl.fma(a, b, c)
     else:
-        return p * g
+        return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
+def _div_fast(p, g_abs, inv_g, USE_ASM: tl.constexpr):
+    """RN(p / g) by Markstein's correction from the correctly rounded reciprocal ``inv_g``.
+
+    q0 = RN(p * y) is within 1 ulp of p/g, the residual p - g*q0 is exact (fma), and
+    RN(q0 + r*y) = RN(p/g) when y = RN(1/g) (Markstein's theorem), barring underflow / overflow:
+    the caller uses it only for 2^-100 <= |g| <= 2^100 with p in [0, 6*448] (all normal).
+    """
+    if USE_ASM:
+        q0 = p * inv_g
+        r = tl.fma(-g_abs, q0, p)
+        return tl.fma(r, inv_g, q0)
+    else:
+        return tl.math.div_rn(p, g_abs)  # the interpreter's fma is not fused
+
+
+@triton.jit
+def _abs_x(w, P: tl.constexpr, s_abs, g_abs, inv_g, safe,
+           DIVISOR: tl.constexpr, FAST_DIV: tl.constexpr, USE_ASM: tl.constexpr):
+    """|x| of E2M1 nibble ``P`` (0..7, low first) of int32 word ``w``: RN(|e2m1| * |s| (*|/) |g|)."""
+    if 4 * P <= 22:  # noqa: SIM108 (constexpr branches)
+        mag = (w << (22 - 4 * P)) & 0x01C00000
+    else:
+        mag = (w >> (4 * P - 22)) & 0x01C00000
+    p = mag.to(tl.float32, bitcast=True) * 8.507059173023462e37 * s_abs  # exact
+    if DIVISOR:
+        if FAST_DIV:
+            if safe:  # noqa: SIM108 (uniform over the program: a branch, not a select)
+                x = _div_fast(p, g_abs, inv_g, USE_ASM)
+            else:
+                x = _div_rn(p, g_abs, USE_ASM)
+        else:
+            x = _div_rn(p, g_abs, USE_ASM)
+    else:
+        x = p * g_abs
+    return x
+
+
+@triton.jit
+def _word_abs(w, s_abs, g_abs, inv_g, safe,
+              DIVISOR: tl.constexpr, FAST_DIV: tl.constexpr, USE_ASM: tl.constexpr):
+    """The 8 |x| of one packed int32 word, in element order."""
+    return (_abs_x(w, 0, s_abs, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM),
+            _abs_x(w, 1, s_abs, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM),
+            _abs_x(w, 2, s_abs, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM),
+            _abs_x(w, 3, s_abs, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM),
+            _abs_x(w, 4, s_abs, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM),
+            _abs_x(w, 5, s_abs, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM),
+            _abs_x(w, 6, s_abs, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM),
+            _abs_x(w, 7, s_abs, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM))
+
+
+@triton.jit
+def _max8(a0, a1, a2, a3, a4, a5, a6, a7):
+    return tl.maximum(tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3)),
+                      tl.maximum(tl.maximum(a4, a5), tl.maximum(a6, a7)))
 
 
 @triton.jit
@@ -120,130 +163,168 @@ def _pow2(e):
 
 
 @triton.jit
-def _quant_elem(ax, inv, pe):
-    """RNE E2M1 magnitude code of ``ax * inv`` (saturating at 6) and ``|x| - dq`` (exact, fp32).
+def _q(ax, inv, npe, ce, USE_ASM: tl.constexpr):
+    """E2M1 magnitude code (0..7) of ``|x| * 2^-e`` (RNE, saturating at 6) and ``d = |x| - dq``.
 
-    ``ax`` = |x| (fp32), ``inv`` = 2^-e, ``pe`` = 2^e. Rounding: one fp32 add of M = 2^22, 2^23 or
-    2^24 (grid step 0.5, 1, 2 for |q| < 2, [2, 4), >= 4) rounds |q| to the grid, ties to even
-    (the even grid multiple is the even code); the low bits of the sum give the code.
+    inv = 2^-e, npe = -2^e, ce = 127 + e (all per block).
     """
-    a = ax * inv
-    ab = a.to(tl.int32, bitcast=True)
-    reg = tl.minimum(tl.maximum((ab >> 23) - 127, 0), 2)
-    mb = (reg + 149) << 23
+    # Binade of q = |x| * 2^-e above 1 (0 below): q < 12 for every rule and candidate, so reg <= 3;
+    # reg = 3 (q in [8, 12], step 4) still saturates to code 7 / value 6 like reg = 2 would.
+    reg = tl.maximum((ax.to(tl.int32, bitcast=True) >> 23) - ce, 0)
+    mb = (reg << 23) + (149 << 23)  # bits of M = 2^(22 + reg)
     m = mb.to(tl.float32, bitcast=True)
-    y = a + m
-    code = tl.minimum(y.to(tl.int32, bitcast=True) - mb + 2 * reg, 7)
+    y = _fma32(ax, inv, m, USE_ASM)
+    code = tl.minimum(y.to(tl.int32, bitcast=True) - (mb - 2 * reg), 7)
     r = tl.minimum(y - m, 6.0)
-    # |x| - dq, exact: a = |x| * 2^-e is exact whenever r != 0 (a > 0.25), a - r is exact
-    # (Sterbenz: r/2 <= a <= 2r), and (a - r) * 2^e neither overflows nor loses bits. Computing
-    # ax - r * 2^e instead would overflow for e = 127 (dq = 2^128), where the contract's value is
-    # finite (EVEN on amax >= 1.75 * 2^127).
-    d = tl.where(r == 0.0, ax, (a - r) * pe)
-    return code, d
+    return code, _fma32(r, npe, ax, USE_ASM)
 
 
 @triton.jit
-def _word(w, s, g, inv0, pe0, inv1, pe1, sq0, sq1, sig, mx0, mx1,
-          TWO: tl.constexpr, DIVISOR: tl.constexpr, USE_ASM: tl.constexpr, STATS: tl.constexpr):
-    """Requantize the 8 elements of one int32 word in order, for one or two candidate scales.
+def _quant_word(a0, a1, a2, a3, a4, a5, a6, a7, inv, npe, ce, sq, sig, mx,
+                SQ: tl.constexpr, SIG: tl.constexpr, STATS: tl.constexpr, USE_ASM: tl.constexpr):
+    """Codes of 8 elements packed in one word (magnitudes only) and the running statistics.
 
-    Returns the packed output word(s) and the updated float64 sums (squared error per candidate,
-    signal) and fp32 max |x - dq| per candidate.
+    With SQ, ``sq`` (float64) accumulates ``d^2``; with STATS, ``mx`` tracks max |d| and, with SIG,
+    ``sig`` accumulates ``x^2``; everything in element order.
     """
-    o0 = tl.zeros_like(w)
-    o1 = tl.zeros_like(w)
-    for P in tl.static_range(8):
-        x = _second_level(_nib_f32(w, P) * s, g, DIVISOR, USE_ASM)
-        xb = x.to(tl.int32, bitcast=True)
-        sbit = (xb >> 28) & 8
-        ax = (xb & 0x7FFFFFFF).to(tl.float32, bitcast=True)
-        c0, d0 = _quant_elem(ax, inv0, pe0)
-        o0 = o0 | ((c0 | sbit) << (4 * P))
-        if STATS or TWO:
-            d0d = d0.to(tl.float64)
-            sq0 = tl.fma(d0d, d0d, sq0)
-        if STATS:
-            x64 = x.to(tl.float64)
-            sig = tl.fma(x64, x64, sig)
-            mx0 = tl.maximum(mx0, tl.abs(d0))
-        if TWO:
-            c1, d1 = _quant_elem(ax, inv1, pe1)
-            o1 = o1 | ((c1 | sbit) << (4 * P))
-            d1d = d1.to(tl.float64)
-            sq1 = tl.fma(d1d, d1d, sq1)
-            if STATS:
-                mx1 = tl.maximum(mx1, tl.abs(d1))
-    return o0, o1, sq0, sq1, sig, mx0, mx1
+    c, d = _q(a0, inv, npe, ce, USE_ASM)
+    o = c
+    sq, sig, mx = _acc(a0, d, sq, sig, mx, SQ, SIG, STATS)
+    c, d = _q(a1, inv, npe, ce, USE_ASM)
+    o = o + (c << 4)  # disjoint nibbles: + is |, and a single LEA
+    sq, sig, mx = _acc(a1, d, sq, sig, mx, SQ, SIG, STATS)
+    c, d = _q(a2, inv, npe, ce, USE_ASM)
+    o = o + (c << 8)
+    sq, sig, mx = _acc(a2, d, sq, sig, mx, SQ, SIG, STATS)
+    c, d = _q(a3, inv, npe, ce, USE_ASM)
+    o = o + (c << 12)
+    sq, sig, mx = _acc(a3, d, sq, sig, mx, SQ, SIG, STATS)
+    c, d = _q(a4, inv, npe, ce, USE_ASM)
+    o = o + (c << 16)
+    sq, sig, mx = _acc(a4, d, sq, sig, mx, SQ, SIG, STATS)
+    c, d = _q(a5, inv, npe, ce, USE_ASM)
+    o = o + (c << 20)
+    sq, sig, mx = _acc(a5, d, sq, sig, mx, SQ, SIG, STATS)
+    c, d = _q(a6, inv, npe, ce, USE_ASM)
+    o = o + (c << 24)
+    sq, sig, mx = _acc(a6, d, sq, sig, mx, SQ, SIG, STATS)
+    c, d = _q(a7, inv, npe, ce, USE_ASM)
+    o = o + (c << 28)
+    sq, sig, mx = _acc(a7, d, sq, sig, mx, SQ, SIG, STATS)
+    return o, sq, sig, mx
 
 
 @triton.jit
-def _half_max_mag(wa, wb):
-    """Max E2M1 magnitude code (int32 0..7) over the 16 nibbles of two words."""
-    m = tl.zeros_like(wa)
-    for P in tl.static_range(8):
-        m = tl.maximum(m, (wa >> (4 * P)) & 7)
-        m = tl.maximum(m, (wb >> (4 * P)) & 7)
-    return m
+def _acc(ax, d, sq, sig, mx, SQ: tl.constexpr, SIG: tl.constexpr, STATS: tl.constexpr):
+    if SQ:
+        d64 = d.to(tl.float64)
+        sq = tl.fma(d64, d64, sq)
+    if STATS:
+        mx = tl.maximum(mx, tl.abs(d))
+        if SIG:
+            a64 = ax.to(tl.float64)
+            sig = tl.fma(a64, a64, sig)
+    return sq, sig, mx
 
 
 @triton.jit
-def _block(w0, w1, w2, w3, sb0, sb1, g,
-           RULE: tl.constexpr, DIVISOR: tl.constexpr, USE_ASM: tl.constexpr, STATS: tl.constexpr):
+def _cand(x0, x1, x2, x3, inv, npe, ce, sig,
+          SQ: tl.constexpr, SIG: tl.constexpr, STATS: tl.constexpr, USE_ASM: tl.constexpr):
+    """One candidate exponent over the whole block (4 words of |x| tuples, in order)."""
+    sq = tl.zeros(inv.shape, tl.float64)
+    mx = tl.zeros(inv.shape, tl.float32)
+    o0, sq, sig, mx = _quant_word(x0[0], x0[1], x0[2], x0[3], x0[4], x0[5], x0[6], x0[7],
+                                  inv, npe, ce, sq, sig, mx, SQ, SIG, STATS, USE_ASM)
+    o1, sq, sig, mx = _quant_word(x1[0], x1[1], x1[2], x1[3], x1[4], x1[5], x1[6], x1[7],
+                                  inv, npe, ce, sq, sig, mx, SQ, SIG, STATS, USE_ASM)
+    o2, sq, sig, mx = _quant_word(x2[0], x2[1], x2[2], x2[3], x2[4], x2[5], x2[6], x2[7],
+                                  inv, npe, ce, sq, sig, mx, SQ, SIG, STATS, USE_ASM)
+    o3, sq, sig, mx = _quant_word(x3[0], x3[1], x3[2], x3[3], x3[4], x3[5], x3[6], x3[7],
+                                  inv, npe, ce, sq, sig, mx, SQ, SIG, STATS, USE_ASM)
+    return o0, o1, o2, o3, sq, sig, mx
+
+
+@triton.jit
+def _block(w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe,
+           RULE: tl.constexpr, DIVISOR: tl.constexpr, FAST_DIV: tl.constexpr, USE_ASM: tl.constexpr,
+           STATS: tl.constexpr):
     """One 32-block per row: output words, E8M0 byte and the block's statistics."""
     s_a = _e4m3_f32(sb0)
     s_b = _e4m3_f32(sb1)
-    # Pass 1: amax, exact, with no per-element float work.
-    p_a = _mag_f32(_half_max_mag(w0, w1)) * tl.abs(s_a)
-    p_b = _mag_f32(_half_max_mag(w2, w3)) * tl.abs(s_b)
-    amax = _second_level(tl.maximum(p_a, p_b), tl.abs(g), DIVISOR, USE_ASM)
-    if RULE == 3:
-        e0 = _scale_exp(amax, 2)
-        e1 = tl.where(amax == 0.0, 0, tl.maximum(e0 - 1, -127))
+    x0 = _word_abs(w0, tl.abs(s_a), g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    x1 = _word_abs(w1, tl.abs(s_a), g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    x2 = _word_abs(w2, tl.abs(s_b), g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    x3 = _word_abs(w3, tl.abs(s_b), g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    amax = tl.maximum(
+        tl.maximum(_max8(x0[0], x0[1], x0[2], x0[3], x0[4], x0[5], x0[6], x0[7]),
+                   _max8(x1[0], x1[1], x1[2], x1[3], x1[4], x1[5], x1[6], x1[7])),
+        tl.maximum(_max8(x2[0], x2[1], x2[2], x2[3], x2[4], x2[5], x2[6], x2[7]),
+                   _max8(x3[0], x3[1], x3[2], x3[3], x3[4], x3[5], x3[6], x3[7])))
+    if RULE == 3:  # noqa: SIM108 (constexpr branches)
+        e = _scale_exp(amax, 2)
     else:
-        e0 = _scale_exp(amax, RULE)
-        e1 = e0
-    inv0 = _pow2(-e0)
-    pe0 = _pow2(e0)
-    inv1 = _pow2(-e1)
-    pe1 = _pow2(e1)
-    zero64 = tl.zeros(g.shape, tl.float64)
-    zero32 = tl.zeros(g.shape, tl.float32)
-    sq0 = zero64
-    sq1 = zero64
-    sig = zero64
-    mx0 = zero32
-    mx1 = zero32
-    # Pass 2, elements 0..31 in order: words 0, 1 use the first e4m3 scale, words 2, 3 the second.
-    o0a, o0b, sq0, sq1, sig, mx0, mx1 = _word(w0, s_a, g, inv0, pe0, inv1, pe1, sq0, sq1, sig, mx0, mx1,
-                                               RULE == 3, DIVISOR, USE_ASM, STATS)
-    o1a, o1b, sq0, sq1, sig, mx0, mx1 = _word(w1, s_a, g, inv0, pe0, inv1, pe1, sq0, sq1, sig, mx0, mx1,
-                                               RULE == 3, DIVISOR, USE_ASM, STATS)
-    o2a, o2b, sq0, sq1, sig, mx0, mx1 = _word(w2, s_b, g, inv0, pe0, inv1, pe1, sq0, sq1, sig, mx0, mx1,
-                                               RULE == 3, DIVISOR, USE_ASM, STATS)
-    o3a, o3b, sq0, sq1, sig, mx0, mx1 = _word(w3, s_b, g, inv0, pe0, inv1, pe1, sq0, sq1, sig, mx0, mx1,
-                                               RULE == 3, DIVISOR, USE_ASM, STATS)
+        e = _scale_exp(amax, RULE)
+    sig = tl.zeros(g.shape, tl.float64)
+    o0, o1, o2, o3, sq, sig, mx = _cand(x0, x1, x2, x3, _pow2(-e), -_pow2(e), e + 127, sig,
+                                          STATS or RULE == 3, True, STATS, USE_ASM)
     if RULE == 3:
-        # MSE: RCEIL - 1 only if strictly better (ties go to RCEIL).
-        pick = sq1 < sq0
-        o0a = tl.where(pick, o0b, o0a)
-        o1a = tl.where(pick, o1b, o1a)
-        o2a = tl.where(pick, o2b, o2a)
-        o3a = tl.where(pick, o3b, o3a)
-        sq0 = tl.where(pick, sq1, sq0)
-        mx0 = tl.where(pick, mx1, mx0)
-        e0 = tl.where(pick, e1, e0)
-        inv0 = tl.where(pick, inv1, inv0)
-    clipped = (amax * inv0 > 6.0).to(tl.int32)
-    exact = (mx0 == 0.0).to(tl.int32)
-    return o0a, o1a, o2a, o3a, e0 + 127, sq0, sig, mx0, clipped, exact
+        # MSE: RCEIL - 1 only if its error is strictly lower (ties go to RCEIL).
+        e1 = tl.where(amax == 0.0, 0, tl.maximum(e - 1, -127))
+        p0, p1, p2, p3, sq1, sig, mx1 = _cand(x0, x1, x2, x3, _pow2(-e1), -_pow2(e1), e1 + 127, sig,
+                                              True, False, STATS, USE_ASM)
+        pick = sq1 < sq
+        o0 = tl.where(pick, p0, o0)
+        o1 = tl.where(pick, p1, o1)
+        o2 = tl.where(pick, p2, o2)
+        o3 = tl.where(pick, p3, o3)
+        sq = tl.where(pick, sq1, sq)
+        mx = tl.where(pick, mx1, mx)
+        e = tl.where(pick, e1, e)
+    # Sign bits: nibble sign ^ sign(s_half) ^ sign(g), 8 nibbles per XOR.
+    gs = g.to(tl.int32, bitcast=True)
+    n_a = ((s_a.to(tl.int32, bitcast=True) ^ gs) >> 31) & -2004318072  # 0x88888888 or 0
+    n_b = ((s_b.to(tl.int32, bitcast=True) ^ gs) >> 31) & -2004318072
+    o0 = o0 ^ ((w0 & -2004318072) ^ n_a)
+    o1 = o1 ^ ((w1 & -2004318072) ^ n_a)
+    o2 = o2 ^ ((w2 & -2004318072) ^ n_b)
+    o3 = o3 ^ ((w3 & -2004318072) ^ n_b)
+    clipped = (amax * _pow2(-e) > 6.0).to(tl.int32)
+    exact = (sq == 0.0).to(tl.int32)
+    return o0, o1, o2, o3, e + 127, sq, sig, mx, clipped, exact
+
+
+@triton.jit
+def _step(wt, st, j, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+          rsq, rsig, rmx, rclip, rexact,
+          ROWS: tl.constexpr, RULE: tl.constexpr, DIVISOR: tl.constexpr, FAST_DIV: tl.constexpr,
+          USE_ASM: tl.constexpr, STATS: tl.constexpr):
+    """Block ``j`` of every row, from its loaded words ``wt`` [ROWS, 4] and scale bytes ``st``
+    [ROWS, 2]: store the codes and the E8M0 byte, fold the block statistics into the row sums."""
+    w02, w13 = tl.split(tl.reshape(wt, [ROWS, 2, 2]))
+    w0, w2 = tl.split(w02)
+    w1, w3 = tl.split(w13)
+    sb0, sb1 = tl.split(st.to(tl.int32))
+    o0, o1, o2, o3, ebyte, sq, sig, mx, clipped, exact = _block(
+        w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
+    ot = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), [ROWS, 4])
+    tl.store(out_row[:, None] + (j * 4 + c4)[None, :], ot, mask=m2)
+    tl.store(osc_row + j, ebyte.to(tl.uint8), mask=rmask)
+    if STATS:
+        # Row sums, sequential over blocks.
+        rsq = rsq + sq
+        rsig = rsig + sig
+        rmx = tl.maximum(rmx, mx)
+        rclip = rclip + clipped
+        rexact = rexact + exact
+    return rsq, rsig, rmx, rclip, rexact
 
 
 @triton.jit
 def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
                         s_in, s_sc, s_out, s_osc,
                         RULE: tl.constexpr, DIVISOR: tl.constexpr, CB: tl.constexpr,
-                        ROWS: tl.constexpr, USE_ASM: tl.constexpr, STATS: tl.constexpr = True):
+                        ROWS: tl.constexpr, USE_ASM: tl.constexpr, STATS: tl.constexpr = True,
+                        FAST_DIV: tl.constexpr = True, PREFETCH: tl.constexpr = False):
     """Requantize rows ``[pid*ROWS, pid*ROWS + ROWS)``; see the module docstring.
 
     in_ptr:  int32 [R, NB*4] packed NVFP4 words (row stride ``s_in`` words)
@@ -252,14 +333,22 @@ def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
     out_ptr: int32 [R, NB*4] packed MXFP4 words (row stride ``s_out``)
     osc_ptr: uint8 [R, NB] E8M0 bytes (row stride ``s_osc``)
     st_ptr:  fp64  [R, 5] (sq_err, signal, max_abs_err, clipped_blocks, exact_blocks)
-    NB must be a multiple of CB. STATS=False (a benchmark diagnostic) skips the statistics and
-    leaves st_ptr untouched.
+    NB must be a multiple of CB (blocks unrolled per iteration). PREFETCH loads block j+1 while
+    block j is computed (CB is then 1). STATS=False (a benchmark diagnostic) skips the statistics
+    and leaves st_ptr untouched. FAST_DIV=False always uses ``div.rn.f32`` for the divisor.
     """
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     rmask = rows < R
     r64 = rows.to(tl.int64)
     g = tl.load(g_ptr + rows, mask=rmask, other=1.0)
+    g_abs = tl.abs(g)
+    inv_g = g_abs
+    safe = False
+    if DIVISOR and FAST_DIV:
+        inv_g = _div_rn(tl.full(g.shape, 1.0, tl.float32), g_abs, USE_ASM)  # RN(1/|g|) per row
+        ok = (g_abs >= 7.888609052210118e-31) & (g_abs <= 1.2676506002282294e30)  # 2^-100, 2^100
+        safe = tl.min(tl.where(rmask, ok, True).to(tl.int32), axis=0) == 1
     in_row = in_ptr + r64 * s_in
     sc_row = sc_ptr + r64 * s_sc
     out_row = out_ptr + r64 * s_out
@@ -272,26 +361,27 @@ def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
     rmx = tl.zeros([ROWS], tl.float32)
     rclip = tl.zeros([ROWS], tl.int32)
     rexact = tl.zeros([ROWS], tl.int32)
-    for j0 in range(0, NB, CB):
-        for b in tl.static_range(CB):
-            j = j0 + b
-            wt = tl.load(in_row[:, None] + (j * 4 + c4)[None, :], mask=m2, other=0)  # [ROWS, 4] int32
-            w02, w13 = tl.split(tl.reshape(wt, [ROWS, 2, 2]))
-            w0, w2 = tl.split(w02)
-            w1, w3 = tl.split(w13)
-            st = tl.load(sc_row[:, None] + (j * 2 + c2)[None, :], mask=m2, other=0).to(tl.int32)  # [ROWS, 2]
-            sb0, sb1 = tl.split(st)
-            o0, o1, o2, o3, ebyte, sq, sig, mx, clipped, exact = _block(
-                w0, w1, w2, w3, sb0, sb1, g, RULE, DIVISOR, USE_ASM, STATS)
-            ot = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), [ROWS, 4])
-            tl.store(out_row[:, None] + (j * 4 + c4)[None, :], ot, mask=m2)
-            tl.store(osc_row + j, ebyte.to(tl.uint8), mask=rmask)
-            # Row sums, sequential over blocks.
-            rsq = rsq + sq
-            rsig = rsig + sig
-            rmx = tl.maximum(rmx, mx)
-            rclip = rclip + clipped
-            rexact = rexact + exact
+    if PREFETCH:
+        wt = tl.load(in_row[:, None] + c4[None, :], mask=m2, other=0)  # [ROWS, 4] int32
+        st = tl.load(sc_row[:, None] + c2[None, :], mask=m2, other=0)  # [ROWS, 2] uint8
+        for j in range(0, NB):
+            mn = m2 & (j + 1 < NB)
+            wt_next = tl.load(in_row[:, None] + ((j + 1) * 4 + c4)[None, :], mask=mn, other=0)
+            st_next = tl.load(sc_row[:, None] + ((j + 1) * 2 + c2)[None, :], mask=mn, other=0)
+            rsq, rsig, rmx, rclip, rexact = _step(
+                wt, st, j, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
+            wt = wt_next
+            st = st_next
+    else:
+        for j0 in range(0, NB, CB):
+            for b in tl.static_range(CB):
+                j = j0 + b
+                wt = tl.load(in_row[:, None] + (j * 4 + c4)[None, :], mask=m2, other=0)
+                st = tl.load(sc_row[:, None] + (j * 2 + c2)[None, :], mask=m2, other=0)
+                rsq, rsig, rmx, rclip, rexact = _step(
+                    wt, st, j, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                    rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
     if STATS:
         st_row = st_ptr + r64 * 5
         tl.store(st_row, rsq, mask=rmask)

@@ -23,6 +23,7 @@ import torch
 
 __all__ = [
     "KernelConfig",
+    "auto_num_warps",
     "requant_nvfp4_gpu_chunks",
     "requant_rows",
     "requant_rows_into",
@@ -36,11 +37,14 @@ _STATS = 5  # sq_err, signal, max_abs_err, clipped_blocks, exact_blocks
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch shape: ``num_warps`` warps of 32 threads, one row per thread; ``blocks_per_iter``
-    32-blocks unrolled per loop iteration (used when it divides K/32, else 4, 2 or 1)."""
+    """Launch shape: ``num_warps`` warps of 32 threads, one row per thread (0: chosen per call
+    from R and the SM count, see ``auto_num_warps``); ``blocks_per_iter`` 32-blocks unrolled per
+    loop iteration (used when it divides K/32, else 4, 2 or 1)."""
 
-    num_warps: int = 4
+    num_warps: int = 0
     blocks_per_iter: int = 1
+    fast_div: bool = True  # divisor convention: Markstein correction when |g| is in [2^-100, 2^100]
+    prefetch: bool = False  # load block j+1 while block j computes (blocks_per_iter is then 1)
 
 
 def triton_available() -> bool:
@@ -143,6 +147,9 @@ def requant_rows_into(
         return
     nb = k // 32
     cfg = config or KernelConfig()
+    if cfg.num_warps <= 0:
+        nw = 32 if _interpret() else auto_num_warps(r, _sm_count(packed.device.index or 0))
+        cfg = KernelConfig(nw, cfg.blocks_per_iter, cfg.fast_div, cfg.prefetch)
     if packed_out.stride(-1) != 1 or packed_out.stride(0) % 16 or packed_out.data_ptr() % 16:
         raise ValueError("packed_out must be row-contiguous with 16-byte aligned rows")
     if scales_out.stride(-1) != 1 or not row_stats.is_contiguous():
@@ -158,10 +165,40 @@ def requant_rows_into(
     _jit().requant_rows_kernel[grid](
         w_in, sc, g, w_out, scales_out, row_stats, r, nb,
         w_in.stride(0), sc.stride(0), w_out.stride(0), scales_out.stride(0),
-        RULE=rule_id(rule), DIVISOR=bool(divisor), CB=_blocks_per_iter(nb, cfg.blocks_per_iter),
-        ROWS=rows, USE_ASM=not _interpret(), STATS=bool(stats),
+        RULE=rule_id(rule), DIVISOR=bool(divisor),
+        CB=1 if cfg.prefetch else _blocks_per_iter(nb, cfg.blocks_per_iter),
+        ROWS=rows, USE_ASM=not _interpret(), STATS=bool(stats), FAST_DIV=cfg.fast_div,
+        PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=False,
     )
+
+
+_REGS_PER_THREAD = 96  # the compiled kernel's register count on sm_90 (all rules, 95-96)
+
+
+@lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def auto_num_warps(rows: int, sms: int, regs: int = _REGS_PER_THREAD) -> int:
+    """Warps per program (1, 2, 4 or 8) for ``rows`` rows on ``sms`` multiprocessors.
+
+    A program walks all of its rows' blocks, so every program lasts the same time and the kernel
+    takes ``waves * (rows resident per SM)`` units: pick the shape that minimizes it (ties: more
+    warps). On an H200 with the [131072, 7168] slab this picks 8 warps (measured 1.22x faster
+    than 4 warps, whose last wave was half empty).
+    """
+    best = (0, 0)
+    for nw in (8, 4, 2, 1):
+        per_prog = 32 * nw
+        per_sm = max(1, min(65536 // (regs * per_prog), 32, 2048 // per_prog))
+        progs = triton_cdiv(rows, per_prog)
+        waves = triton_cdiv(progs, sms * per_sm)
+        cost = waves * min(per_sm, triton_cdiv(progs, sms)) * per_prog
+        if best[0] == 0 or cost < best[0]:
+            best = (cost, nw)
+    return best[1]
 
 
 def triton_cdiv(a: int, b: int) -> int:
