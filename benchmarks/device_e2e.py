@@ -1,0 +1,86 @@
+"""NVFP4 -> MXFP4 end to end on a CUDA machine: throughput against `cp` of the same files, and
+byte-identity of the output across CPU, one GPU and every GPU.
+
+    PYTHONPATH=. python3 benchmarks/device_e2e.py OUT_DIR [--layers 12]
+
+One JSON line per case (also written to OUT_DIR/device_e2e.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gen_checkpoint import generate
+
+PY = sys.executable
+
+
+def run(cmd: list[str]) -> float:
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t
+
+
+def tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def conv(src: Path, dst: Path, *flags: str) -> float:
+    return run([PY, "-m", "mxfp4conv", "convert", str(src), str(dst), "--to", "ct", "--json", *flags])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/e2e"))
+    args = ap.parse_args()
+    log = open(args.out / "device_e2e.jsonl", "w")  # noqa: SIM115
+
+    def emit(**kw: object) -> None:
+        line = json.dumps({"date": time.strftime("%Y-%m-%d"), "gpus": torch.cuda.device_count(),
+                           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, **kw})
+        print(line, flush=True)
+        log.write(line + "\n")
+
+    w = args.work
+    shutil.rmtree(w, ignore_errors=True)
+    w.mkdir(parents=True)
+    # 1. byte-identity: CPU vs one GPU vs every GPU, on a one-layer Qwen3-30B-A3B-like NVFP4 checkpoint
+    small = generate(w / "small", "modelopt-nvfp4", 1)
+    t_cpu = conv(small, w / "s-cpu", "--device", "cpu")
+    t_g1 = conv(small, w / "s-g1", "--devices", "0")
+    t_gall = conv(small, w / "s-gall", "--device", "cuda")
+    h = [tree(w / n) for n in ("s-cpu", "s-g1", "s-gall")]
+    emit(case="byte identity cpu / 1 gpu / all gpus (with verify)", identical=h[0] == h[1] == h[2],
+         files=len(h[0]), cpu_s=round(t_cpu, 1), gpu1_s=round(t_g1, 1), gpus_s=round(t_gall, 1))
+    shutil.rmtree(w / "small")
+    # 2. throughput against cp of the same files (warm page cache), >= 4 GB
+    src = generate(w / "big", "modelopt-nvfp4", args.layers)
+    size = sum(p.stat().st_size for p in src.rglob("*.safetensors"))
+    for p in src.rglob("*.safetensors"):
+        p.read_bytes()
+    run(["cp", "-r", str(src), str(w / "cp0")])
+    shutil.rmtree(w / "cp0")
+    t_cp = run(["cp", "-r", str(src), str(w / "cp")]) + run(["sync"])
+    weights = args.layers * 128 * 3 * 2048 * 768
+    t_conv = conv(src, w / "out", "--device", "cuda", "--no-verify")
+    t_ver = run([PY, "-m", "mxfp4conv", "verify", str(src), str(w / "out"), "--device", "cuda", "--json"])
+    emit(case="nvfp4 -> mxfp4 end to end, all GPUs", gb=round(size / 1e9, 2), gweights=round(weights / 1e9, 2),
+         cp_s=round(t_cp, 2), convert_s=round(t_conv, 2), throughput_vs_cp=round(t_cp / t_conv, 3),
+         gweights_per_s=round(weights / t_conv / 1e9, 3), verify_s=round(t_ver, 2))
+    shutil.rmtree(w, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
