@@ -167,6 +167,14 @@ def _devices(opts: ConvertOptions) -> list[str]:
 def _transform(spec: UnitSpec, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext,
                opts: ConvertOptions, device: str) -> tuple[list[torch.Tensor], dict[str, Any], float, float]:
     """Read one unit, requantize it if needed, encode it: (tensors, requant stats, read s, transform s)."""
+    if device.startswith("cuda"):
+        with torch.cuda.device(torch.device(device)):  # kernels launch on the thread's current device
+            return _transform_on(spec, ckpt, layout, target, ctx, opts, device)
+    return _transform_on(spec, ckpt, layout, target, ctx, opts, device)
+
+
+def _transform_on(spec: UnitSpec, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext,
+                  opts: ConvertOptions, device: str) -> tuple[list[torch.Tensor], dict[str, Any], float, float]:
     t0 = time.perf_counter()
     unit = layout.read(ckpt, spec)
     t1 = time.perf_counter()
