@@ -27,7 +27,7 @@ from mxfp4conv.errors import InputError, OutputError, UsageError
 from mxfp4conv.inspect import SCHEMA_VERSION, analyze, writer_context
 from mxfp4conv.io.atomic import check_destination, publish, remove_tree, staging_path
 from mxfp4conv.io.checkpoint import PICKLE_SUFFIXES, Checkpoint, open_checkpoint
-from mxfp4conv.io.safetensors_io import st_dtype, write_safetensors
+from mxfp4conv.io.safetensors_io import FileSlice, st_dtype, write_safetensors
 from mxfp4conv.layouts.base import Plan
 from mxfp4conv.writers import OutTensor, Target, WriterContext, get_target, resolve_auto
 from mxfp4conv.writers.base import UnitSpec
@@ -167,6 +167,9 @@ def _devices(opts: ConvertOptions) -> list[str]:
 def _transform(spec: UnitSpec, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext,
                opts: ConvertOptions, device: str) -> tuple[list[torch.Tensor], dict[str, Any], float, float]:
     """Read one unit, requantize it if needed, encode it: (tensors, requant stats, read s, transform s)."""
+    slices = direct_slices(spec, ckpt, target, ctx)
+    if slices is not None:  # a pure rename: bytes are copied by the writer, never decoded
+        return slices, {}, 0.0, 0.0  # type: ignore[return-value]
     if device.startswith("cuda"):
         with torch.cuda.device(torch.device(device)):  # kernels launch on the thread's current device
             return _transform_on(spec, ckpt, layout, target, ctx, opts, device)
@@ -191,6 +194,26 @@ def _transform_on(spec: UnitSpec, ckpt: Checkpoint, layout: Any, target: Target,
     return outs, stats, t1 - t0, time.perf_counter() - t1
 
 
+def direct_slices(spec: UnitSpec, ckpt: Checkpoint, target: Target, ctx: WriterContext) -> list[FileSlice] | None:
+    """Source byte ranges that become the unit's output tensors unchanged, or None (needs decoding)."""
+    if ctx.facts.source_quant != "mxfp4" and spec.kind != "passthrough":
+        return None
+    names = target.direct_sources(spec, ctx)
+    if names is None:
+        return None
+    outs = target.out_specs(spec, ctx)
+    refs = [ckpt.tensors[n] for n in names]
+    if len(refs) != len(outs) or any(r.dtype != o.dtype or r.nbytes != _prod(o.shape) * _itemsize(o.dtype)
+                                     for r, o in zip(refs, outs, strict=True)):
+        return None
+    for ref in refs:  # E8M0 0xFF (NaN) is invalid input even when only copied
+        if (spec.kind != "passthrough" and ref.dtype == "U8" and ref.name.endswith(("weight_scale", "_scales"))
+                and bool((ref.load() == 0xFF).any())):
+            raise InputError("E8M0 scale byte 0xFF (NaN) is not a valid MXFP4 scale", file=ckpt.rel(ref.file),
+                             tensor=ref.name, hint="the checkpoint is corrupt; re-export it")
+    return [FileSlice(r.file, r.begin, r.nbytes) for r in refs]
+
+
 def _unit_results(shard: _ShardPlan, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext,
                   opts: ConvertOptions) -> Iterator[tuple[list[torch.Tensor], dict[str, Any], float, float]]:
     """Units in plan order. With several devices, one unit per device is in flight (bounded memory)."""
@@ -211,7 +234,7 @@ def _unit_results(shard: _ShardPlan, ckpt: Checkpoint, layout: Any, target: Targ
 
 def _encode_shard(shard: _ShardPlan, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext,
                   opts: ConvertOptions, report: ConvertReport, on_progress: Progress | None,
-                  done: list[int], total: int) -> Iterator[torch.Tensor]:
+                  done: list[int], total: int) -> Iterator[torch.Tensor | FileSlice]:
     results = _unit_results(shard, ckpt, layout, target, ctx, opts)
     for spec, (outs, stats, t_read, t_transform) in zip(shard.units, results, strict=True):
         report.requant_stats.update(stats)
@@ -219,6 +242,10 @@ def _encode_shard(shard: _ShardPlan, ckpt: Checkpoint, layout: Any, target: Targ
         report.seconds["transform"] = report.seconds.get("transform", 0.0) + t_transform
         expect = target.out_specs(spec, ctx)
         for o, t in zip(expect, outs, strict=True):
+            if isinstance(t, FileSlice):
+                done[0] += t.length
+                yield t
+                continue
             if st_dtype(t.dtype) != o.dtype or tuple(t.shape) != o.shape:
                 raise AssertionError(f"{o.name}: encoded {st_dtype(t.dtype)}{list(t.shape)}, planned {o.dtype}{list(o.shape)}")
             done[0] += t.numel() * t.element_size()

@@ -275,3 +275,31 @@ def test_worker_count_does_not_change_bytes(srcs: dict[str, Path], tmp_path: Pat
     convert(srcs[layout], tmp_path / "three", ConvertOptions(target="quark", device="cpu", max_shard_size=40_000,
                                                             devices=("cpu", "cpu", "cpu")))
     assert tree_hashes(tmp_path / "one") == tree_hashes(tmp_path / "three")
+
+
+def _flip(shard: Path, name: str) -> None:
+    raw = bytearray(shard.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    b, _ = json.loads(raw[8:8 + n])[name]["data_offsets"]
+    raw[8 + n + b + 3] ^= 0x10
+    shard.write_bytes(bytes(raw))
+
+
+def test_verify_catches_a_flipped_byte_on_the_rename_path(srcs: dict[str, Path], tmp_path: Path) -> None:
+    """ct-mxfp4 -> quark copies byte ranges without decoding; verify still compares every byte."""
+    out = tmp_path / "o"
+    assert run("convert", str(srcs["ct-mxfp4"]), str(out), "--to", "quark")[0] == 0
+    _flip(out / "model.safetensors", "model.layers.1.mlp.experts.3.up_proj.weight")
+    code, text, _ = run("verify", str(srcs["ct-mxfp4"]), str(out), "--json")
+    assert code == 3
+    assert json.loads(text)["mismatches"][0]["tensor"] == "model.layers.1.mlp.experts.3.up_proj.weight"
+
+
+def test_copy_modes_give_identical_bytes(srcs: dict[str, Path], tmp_path: Path) -> None:
+    import os
+
+    for mode in ("readwrite", "copy_file_range"):
+        env = {**os.environ, "MXFP4CONV_COPY": mode}
+        subprocess.run([sys.executable, "-m", "mxfp4conv", "convert", str(srcs["gpt-oss"]), str(tmp_path / mode)],
+                       check=True, env=env, capture_output=True)
+    assert tree_hashes(tmp_path / "readwrite") == tree_hashes(tmp_path / "copy_file_range")

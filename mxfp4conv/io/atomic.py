@@ -21,12 +21,17 @@ def staging_path(dst: Path) -> Path:
 
 
 def check_destination(src: Path, dst: Path, *, overwrite: bool) -> None:
-    """Refuse DST equal to or inside SRC, DST paths through foreign symlinks, an existing DST."""
+    """Refuse DST equal to, inside or holding SRC, DST paths through symlinks, an existing DST."""
     src_r, dst_abs = src.resolve(), Path(os.path.abspath(dst))
     dst_r = dst_abs.resolve()
     if dst_r == src_r or src_r in dst_r.parents:
         raise OutputError("DST is inside (or equal to) SRC; mxfp4conv never writes into its input",
                           file=str(dst), hint="choose a destination outside the source folder")
+    # Replacing a DST that holds SRC (or the files SRC links to, e.g. an HF cache's blobs/) deletes the input.
+    for real in [src_r, *_resolved(src)]:
+        if dst_r in real.parents:
+            raise OutputError(f"DST contains the source ({real}); replacing it would delete the input",
+                              file=str(dst), hint="choose a destination outside the source folder")
     probe = dst_abs
     while probe != probe.parent:
         if probe.is_symlink():
@@ -39,6 +44,16 @@ def check_destination(src: Path, dst: Path, *, overwrite: bool) -> None:
     if not dst_abs.parent.is_dir():
         raise OutputError("the parent folder of DST does not exist", file=str(dst),
                           hint=f"create {dst_abs.parent} first")
+
+
+def _resolved(folder: Path) -> list[Path]:
+    out = []
+    for p in folder.iterdir():
+        try:
+            out.append(p.resolve())
+        except (RuntimeError, OSError):  # a symlink loop: it leads nowhere
+            continue
+    return out
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -71,20 +71,36 @@ def resolve_source(src: str, revision: str | None = None) -> tuple[Path, str | N
     return folder_path, src, folder_path.name
 
 
-def _inside(root: Path, rel_name: str, what: str) -> Path:
-    """Resolve a file named by the index; refuse paths that leave the folder."""
-    if not rel_name or os.path.isabs(rel_name) or "\\" in rel_name or any(
+def _inside(root: Path, rel_name: str, what: str, named_by: Path | None = None) -> Path:
+    """Resolve a file named by the index (``named_by``) or found in the folder; refuse paths that leave it."""
+    src = str(named_by or root / rel_name)
+    if not rel_name or "\x00" in rel_name or os.path.isabs(rel_name) or "\\" in rel_name or any(
             part == ".." for part in Path(rel_name).parts):
         raise InputError(f"{what} names {rel_name!r}, a path outside the checkpoint folder",
-                         file=str(root / INDEX_NAME), hint="the index must name shard files inside the folder")
+                         file=src, hint="the index must name shard files inside the folder")
     path = root / rel_name
-    real, real_root = path.resolve(), root.resolve()
+    try:
+        real, real_root = path.resolve(), root.resolve()
+    except (RuntimeError, OSError) as exc:  # a symlink loop (RuntimeError before Python 3.13)
+        raise InputError(f"{what} {rel_name!r} cannot be resolved ({exc})", file=src,
+                         hint="replace the link with the real file") from exc
     if real_root in real.parents:
         return path
     if _is_hf_blob(root, path, real):
         return path
     raise InputError(f"{what} {rel_name!r} is a symlink leading outside the checkpoint folder ({real})",
-                     file=str(root / INDEX_NAME), hint="copy the real file into the folder")
+                     file=src, hint="copy the real file into the folder")
+
+
+def _refuse_outside_links(root: Path) -> None:
+    """Every file convert may read or copy (config, tokenizer, extras) must live in the folder.
+
+    A link such as ``tokenizer.json -> ~/.ssh/id_rsa`` would otherwise be copied into DST.
+    Hugging Face cache snapshots (links into the repo's own ``blobs/``) are accepted.
+    """
+    for p in sorted(root.iterdir()):
+        if p.is_symlink() and p.is_file():  # what convert reads or copies; dangling links and folders are not
+            _inside(root, p.name, "file")
 
 
 def _is_hf_blob(root: Path, path: Path, real: Path) -> bool:
@@ -130,6 +146,7 @@ def open_checkpoint(src: str | Path, revision: str | None = None) -> Checkpoint:
                          hint="pass the folder that holds config.json and the safetensors shards")
     if not any(root.iterdir()):
         raise InputError("the folder is empty", file=str(root), hint="download the checkpoint into it first")
+    _refuse_outside_links(root)
     cfg_path = root / "config.json"
     if not cfg_path.exists():
         raise InputError("config.json is missing", file=str(cfg_path),
@@ -143,8 +160,15 @@ def open_checkpoint(src: str | Path, revision: str | None = None) -> Checkpoint:
     files: list[Path] = []
     metas: dict[str, dict[str, str]] = {}
     for name in names:
-        path = _inside(root, name, "shard")
-        if not path.is_file():
+        path = _inside(root, name, "shard", root / INDEX_NAME if wmap is not None else None)
+        try:
+            is_file = path.is_file()
+        except OSError as exc:  # e.g. ENAMETOOLONG: Path.is_file() only swallows "not found" errors
+            raise InputError(f"cannot read shard {name!r}: {exc.strerror}", file=str(path)) from exc
+        if not is_file:
+            if wmap is None:
+                raise InputError(f"shard {name!r} is not a regular file", file=str(path),
+                                 hint="replace it with the real shard file")
             raise InputError(f"shard {name!r} listed in the index does not exist", file=str(path),
                              hint="download the missing shard")
         files.append(path)

@@ -31,6 +31,7 @@ __all__ = [
     "DTYPES",
     "MAX_HEADER_BYTES",
     "MAX_JSON_BYTES",
+    "FileSlice",
     "TensorRef",
     "load_json",
     "read_header",
@@ -99,6 +100,21 @@ def load_json(path: Path, *, what: str = "JSON file") -> dict[str, Any]:
     if not isinstance(data, dict):
         raise InputError(f"{what} is not a JSON object", file=str(path))
     return data
+
+
+@dataclass(frozen=True)
+class FileSlice:
+    """Bytes to copy unchanged from a source file into an output shard (lossless fast path)."""
+
+    file: Path
+    begin: int
+    length: int
+
+
+COPY_CHUNK = 16 << 20
+# "readwrite": pread into a reused buffer, hash, write; "copy_file_range": kernel-side copy, then a
+# pread of the same range (page cache) for the hash. Measured in BENCHMARKS.md.
+COPY_MODE = os.environ.get("MXFP4CONV_COPY", "readwrite")
 
 
 @dataclass(frozen=True)
@@ -236,7 +252,7 @@ def _header_bytes(entries: list[tuple[str, str, tuple[int, ...], int]],
 
 
 def write_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]]],
-                      data: Iterable[bytes | torch.Tensor],
+                      data: Iterable[bytes | torch.Tensor | FileSlice],
                       metadata: dict[str, str] | None = None,
                       max_inflight: int = 1 << 30) -> str:
     """Stream tensors into a new safetensors file; returns its sha256.
@@ -251,9 +267,10 @@ def write_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]]
     try:
         writer.put(_header_bytes(sized, metadata))
         for (name, dtype, shape, nbytes), item in zip(sized, _iter_checked(data, len(sized)), strict=False):
-            raw = _as_bytes(item)
-            if len(raw) != nbytes:
-                raise AssertionError(f"{name}: produced {len(raw)} bytes, planned {nbytes} ({dtype}{list(shape)})")
+            raw = item if isinstance(item, FileSlice) else _as_bytes(item)
+            size = raw.length if isinstance(raw, FileSlice) else len(raw)
+            if size != nbytes:
+                raise AssertionError(f"{name}: produced {size} bytes, planned {nbytes} ({dtype}{list(shape)})")
             writer.put(raw)
         return writer.close()
     except BaseException:
@@ -266,13 +283,14 @@ class _BackgroundWriter:
 
     def __init__(self, path: Path, max_inflight: int) -> None:
         try:
-            self._fh = open(path, "xb")  # noqa: SIM115 - closed by close()/abort()
+            self._fh = open(path, "xb", buffering=0)  # noqa: SIM115 - closed by close()/abort()
         except OSError as exc:
             raise OutputError(f"cannot create shard: {exc.strerror}", file=str(path),
                               hint="check the destination folder's permissions and free space") from exc
         self._path = path
         self._digest = hashlib.sha256()
-        self._queue: queue.Queue[bytes | memoryview | None] = queue.Queue()
+        self._queue: queue.Queue[bytes | memoryview | FileSlice | None] = queue.Queue()
+        self._buf: bytearray | None = None
         self._cond = threading.Condition()
         self._inflight = 0
         self._max = max_inflight
@@ -287,13 +305,51 @@ class _BackgroundWriter:
                 return
             try:
                 if self._error is None:
-                    self._fh.write(raw)
-                    self._digest.update(raw)
+                    if isinstance(raw, FileSlice):
+                        self._copy(raw)
+                    else:
+                        self._write(raw)
             except BaseException as exc:  # reported to the producer
                 self._error = exc
             with self._cond:
-                self._inflight -= len(raw)
+                self._inflight -= 0 if isinstance(raw, FileSlice) else len(raw)
                 self._cond.notify_all()
+
+    def _write(self, raw: bytes | memoryview) -> None:
+        view = memoryview(raw)
+        while view:
+            n = self._fh.write(view)
+            if not n:
+                raise OSError(28, "No space left on device")
+            view = view[n:]
+        self._digest.update(raw)
+
+    def _copy(self, src: FileSlice) -> None:
+        if self._buf is None:
+            self._buf = bytearray(COPY_CHUNK)
+        buf = memoryview(self._buf)
+        fd = os.open(src.file, os.O_RDONLY)
+        try:
+            pos, left = src.begin, src.length
+            while left:
+                n = min(left, COPY_CHUNK)
+                if COPY_MODE == "copy_file_range":
+                    done = 0
+                    while done < n:
+                        got = os.copy_file_range(fd, self._fh.fileno(), n - done, pos + done)
+                        if got <= 0:
+                            raise OSError(5, "copy_file_range made no progress")
+                        done += got
+                    self._digest.update(buf[: os.preadv(fd, [buf[:n]], pos)])
+                else:
+                    got = os.preadv(fd, [buf[:n]], pos)
+                    if got != n:
+                        raise OSError(5, f"short read from {src.file}")
+                    self._write(buf[:n])
+                pos += n
+                left -= n
+        finally:
+            os.close(fd)
 
     def _raise(self) -> None:
         if isinstance(self._error, OSError):
@@ -302,12 +358,13 @@ class _BackgroundWriter:
         if self._error is not None:
             raise self._error
 
-    def put(self, raw: bytes | memoryview) -> None:
+    def put(self, raw: bytes | memoryview | FileSlice) -> None:
         self._raise()
+        size = 0 if isinstance(raw, FileSlice) else len(raw)  # slices hold no memory
         with self._cond:
-            while self._inflight and self._inflight + len(raw) > self._max and self._error is None:
+            while self._inflight and self._inflight + size > self._max and self._error is None:
                 self._cond.wait()
-            self._inflight += len(raw)
+            self._inflight += size
         self._queue.put(raw)
 
     def close(self) -> str:
@@ -315,7 +372,6 @@ class _BackgroundWriter:
         self._thread.join()
         self._raise()
         try:
-            self._fh.flush()
             os.fsync(self._fh.fileno())
             self._fh.close()
         except OSError as exc:
@@ -331,7 +387,7 @@ class _BackgroundWriter:
             self._fh.close()
 
 
-def _iter_checked(data: Iterable[bytes | torch.Tensor], n: int) -> Iterator[bytes | torch.Tensor]:
+def _iter_checked(data: Iterable[bytes | torch.Tensor | FileSlice], n: int) -> Iterator[bytes | torch.Tensor | FileSlice]:
     count = 0
     for item in data:
         count += 1

@@ -6,6 +6,7 @@ A layout turns a ``Checkpoint`` (headers only) into a ``Plan``: model facts, uni
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import Protocol
 import torch
 
 from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, ModelFacts, MoELayer, Passthrough, UnitSpec
+from mxfp4conv.errors import InputError
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.io.safetensors_io import TensorRef
 
@@ -189,7 +191,15 @@ def plan_split_layout(ckpt: Checkpoint, layout: str, roles: LinearRoles, facts: 
         module = name[: -len(suffix)]
         m = EXPERT_RE.match(f"{module}.x")
         if m:
-            experts.setdefault(m["prefix"], {}).setdefault(int(m["e"]), {})[_GATE_UP_DOWN[m["proj"]]] = module
+            role, file = _GATE_UP_DOWN[m["proj"]], ckpt.rel(tensors[name].file)
+            if m["e"] != str(int(m["e"])):  # "01", non-ASCII digits: the reader rebuilds names from int ids
+                problems.append(Problem(name, file, f"expert id {m['e']!r} is not a plain decimal number"))
+                continue
+            slot = experts.setdefault(m["prefix"], {}).setdefault(int(m["e"]), {})
+            if role in slot:  # e.g. both gate_proj and w1
+                problems.append(Problem(name, file, f"expert {m['e']} has a second {role} projection (also {slot[role]})"))
+                continue
+            slot[role] = module
             continue
         nk = _check_linear(ckpt, module, roles, problems)
         owned = [f"{module}.{s}" for s in roles.owned() if f"{module}.{s}" in tensors]
@@ -220,18 +230,20 @@ def _plan_moe(ckpt: Checkpoint, prefix: str, by_expert: dict[int, dict[str, str]
     any_mod = next(iter(by_expert[ids[0]].values()))
     file = ckpt.rel(ckpt.tensors[f"{any_mod}.{roles.packed}"].file)
     num = facts.num_experts or (ids[-1] + 1)
-    missing = [e for e in range(num) if e not in by_expert]
+    # The first absent id is found within len(ids) + 1 steps, whatever num_experts config.json claims.
+    missing = next((e for e in range(num) if e not in by_expert), None)
     extra = [e for e in ids if e >= num]
-    if missing or extra:
-        what = f"expert {missing[0]} is missing" if missing else f"expert id {extra[0]} is beyond num_experts={num}"
-        problems.append(Problem(f"{prefix}.{missing[0] if missing else extra[0]}", file,
-                                f"{what} (experts must be 0..{num - 1}, found {len(ids)})"))
+    if missing is not None or extra:
+        bad = missing if missing is not None else extra[0]
+        what = f"expert {bad} is missing" if missing is not None else f"expert id {bad} is beyond num_experts={num}"
+        problems.append(Problem(f"{prefix}.{bad}", file, f"{what} (experts must be 0..{num - 1}, found {len(ids)})"))
         return None
     h, i = facts.hidden_size or None, facts.intermediate_size or None
     ok = True
     sources: list[str] = []
     bias_dtype = ""
     has_bias = None
+    first = {r: m.rsplit(".", 1)[1] for r, m in by_expert[ids[0]].items()}  # the reader uses expert 0's names
     for e in range(num):
         projs = by_expert[e]
         for role in ("gate", "up", "down"):
@@ -240,6 +252,11 @@ def _plan_moe(ckpt: Checkpoint, prefix: str, by_expert: dict[int, dict[str, str]
                 ok = False
                 continue
             module = projs[role]
+            if module.rsplit(".", 1)[1] != first.get(role, module.rsplit(".", 1)[1]):
+                problems.append(Problem(f"{module}.{roles.packed}", file, f"expert {e} names its {role} projection "
+                                        f"{module.rsplit('.', 1)[1]!r}, expert {ids[0]} {first[role]!r}"))
+                ok = False
+                continue
             nk = _check_linear(ckpt, module, roles, problems, *((i, h) if role != "down" else (h, i)))
             if nk is None:
                 ok = False
@@ -256,6 +273,9 @@ def _plan_moe(ckpt: Checkpoint, prefix: str, by_expert: dict[int, dict[str, str]
                 problems.append(Problem(f"{module}.bias", file, "some expert projections have a bias and some do not"))
                 ok = False
             if b is not None:
+                if bias_dtype and b.dtype != bias_dtype:
+                    problems.append(Problem(b.name, ckpt.rel(b.file), f"bias dtype {b.dtype}, other experts' {bias_dtype}"))
+                    ok = False
                 bias_dtype = b.dtype
     if not ok or h is None or i is None:
         return None
@@ -270,14 +290,36 @@ def _weight(ckpt: Checkpoint, modules: list[str], roles: LinearRoles) -> FP4Weig
     """Stack the given modules' FP4 tensors along a new leading dim (or none for one module)."""
     t = ckpt.tensors
     packed = torch.stack([t[f"{m}.{roles.packed}"].load() for m in modules])
-    scales = torch.stack([t[f"{m}.{roles.scale}"].load() for m in modules])
+    scales = torch.stack([_checked_scale(ckpt, t[f"{m}.{roles.scale}"], roles) for m in modules])
     global_rows = None
     if roles.global_scale:
-        g = torch.stack([t[f"{m}.{roles.global_scale}"].load().reshape(()).float() for m in modules])
+        g = torch.stack([_checked_global(ckpt, t[f"{m}.{roles.global_scale}"]) for m in modules])
         global_rows = g[:, None].expand(-1, packed.shape[1]).contiguous()
     if roles.scale_dtype == "F8_E4M3":
         scales = scales.view(torch.float8_e4m3fn)
     return FP4Weight(roles.quant, packed, scales, global_rows, roles.global_is_divisor)  # type: ignore[arg-type]
+
+
+def _checked_scale(ckpt: Checkpoint, ref: TensorRef, roles: LinearRoles) -> torch.Tensor:
+    """NVFP4 E4M3 block scales must not be NaN (0x7F/0xFF): the error names the source tensor."""
+    raw = ref.load()
+    if roles.scale_dtype == "F8_E4M3":
+        bad = torch.isnan(raw.view(torch.float8_e4m3fn).float())
+        if bool(bad.any()):
+            at = tuple(int(i) for i in bad.nonzero()[0])
+            raise InputError(f"E4M3 block scale is NaN at index {at}", file=ckpt.rel(ref.file), tensor=ref.name,
+                             hint="the checkpoint is corrupt; re-export it")
+    return raw
+
+
+def _checked_global(ckpt: Checkpoint, ref: TensorRef) -> torch.Tensor:
+    """An NVFP4 per-tensor (global) scale must be finite and non-zero."""
+    g = ref.load().reshape(()).float()
+    v = float(g)
+    if not math.isfinite(v) or v == 0.0:
+        raise InputError(f"global scale is {v}; it must be finite and non-zero", file=ckpt.rel(ref.file),
+                         tensor=ref.name, hint="the checkpoint is corrupt; re-export it")
+    return g
 
 
 def _cat(a: FP4Weight, b: FP4Weight) -> FP4Weight:

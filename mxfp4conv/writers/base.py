@@ -58,6 +58,12 @@ class Target:
     def shard_metadata(self, ctx: WriterContext) -> dict[str, str]:
         return {"format": "pt"}
 
+    def direct_sources(self, spec: UnitSpec, ctx: WriterContext) -> list[str] | None:
+        """For each output tensor (``out_specs`` order), the source tensor holding exactly its bytes,
+        when the whole unit is a byte-for-byte rename; None otherwise. Lets the pipeline copy byte
+        ranges without decoding them (lossless fast path)."""
+        return [spec.key] if spec.kind == "passthrough" else None
+
     def slice_for_rank(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> Canonical:
         """The canonical part of ``unit`` a rank's output holds (all of it for single-rank targets)."""
         return unit
@@ -164,3 +170,20 @@ def exact_ignore_list(ctx: WriterContext) -> list[str]:
 
 def _has_lm_head(ctx: WriterContext) -> bool:
     return any(re.fullmatch(r"lm_head\.weight", n) for n in ctx.passthrough_dtypes)
+
+
+def split_direct_sources(spec: UnitSpec, ctx: WriterContext) -> list[str] | None:
+    """Output -> source names when a split ct-mxfp4 unit is only renamed (per-expert or dense)."""
+    if ctx.layout != "ct-mxfp4" or spec.extra.get("fused"):
+        return None
+    if spec.kind == "dense":
+        return [f"{spec.key}.weight_packed", f"{spec.key}.weight_scale"] + ([f"{spec.key}.bias"] if spec.has_bias else [])
+    if spec.kind != "moe":
+        return None
+    src = (spec.extra["gate"], spec.extra["up"], spec.extra["down"])
+    out = []
+    for e in range(spec.dims[0]):
+        for proj in src:
+            base = f"{spec.key}.{e}.{proj}"
+            out += [f"{base}.weight_packed", f"{base}.weight_scale"] + ([f"{base}.bias"] if spec.has_bias else [])
+    return out

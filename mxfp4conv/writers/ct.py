@@ -23,6 +23,7 @@ from mxfp4conv.writers.base import (
     moe_split_decode,
     moe_split_encode,
     moe_split_specs,
+    split_direct_sources,
 )
 
 CT_VERSION = "0.19.0"  # the compressed-tensors release whose config format this mirrors
@@ -62,6 +63,11 @@ class CtTarget(Target):
             return ("vLLM's GPT-OSS loader reads only its native mxfp4 and the quark layouts; "
                     "use --to gpt-oss or --to quark")
         return None
+
+    def direct_sources(self, spec: UnitSpec, ctx: WriterContext) -> list[str] | None:
+        if spec.kind == "passthrough":
+            return super().direct_sources(spec, ctx)
+        return split_direct_sources(spec, ctx)
 
     def out_specs(self, spec: UnitSpec, ctx: WriterContext) -> list[OutTensor]:
         if spec.kind == "moe":

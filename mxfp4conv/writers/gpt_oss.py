@@ -33,6 +33,11 @@ class GptOssTarget(Target):
             return f"the gpt-oss layout has no FP4 dense layers, but {dense[0]} is FP4; use --to quark"
         return None
 
+    def direct_sources(self, spec: UnitSpec, ctx: WriterContext) -> list[str] | None:
+        if spec.kind == "moe" and ctx.layout == "gpt-oss":
+            return [t.name for t in self.out_specs(spec, ctx)]  # same names, same interleaved bytes
+        return super().direct_sources(spec, ctx)
+
     def out_specs(self, spec: UnitSpec, ctx: WriterContext) -> list[OutTensor]:
         if spec.kind != "moe":
             return super().out_specs(spec, ctx)

@@ -25,6 +25,7 @@ from mxfp4conv.writers.base import (
     moe_split_decode,
     moe_split_encode,
     moe_split_specs,
+    split_direct_sources,
 )
 
 QUARK_VERSION = "0.10"
@@ -59,6 +60,13 @@ class QuarkTarget(Target):
 
     def _fused(self, ctx: WriterContext) -> bool:
         return ctx.facts.model_type == "gpt_oss"
+
+    def direct_sources(self, spec: UnitSpec, ctx: WriterContext) -> list[str] | None:
+        if spec.kind == "passthrough":
+            return super().direct_sources(spec, ctx)
+        if spec.kind == "moe" and self._fused(ctx):
+            return None  # gpt_oss per-expert fused names interleave gate/up rows: not a rename
+        return split_direct_sources(spec, ctx)
 
     def out_specs(self, spec: UnitSpec, ctx: WriterContext) -> list[OutTensor]:
         if spec.kind == "moe" and self._fused(ctx):
