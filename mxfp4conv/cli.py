@@ -100,6 +100,10 @@ def inspect_cmd(src: str, revision: str | None, as_json: bool, debug: bool) -> N
         doc = report.to_dict()
         if as_json:
             _emit_json(doc)
+            if doc["problems"]:
+                p = doc["problems"][0]
+                more = f" (and {len(doc['problems']) - 1} more in the JSON report)" if len(doc["problems"]) > 1 else ""
+                _err.print(f"problem: {_safe(p['file'])}: {_safe(p['tensor'])}: {_safe(p['message'])}{more}", markup=False)
         else:
             _render_inspect(doc)
         return report.exit_code

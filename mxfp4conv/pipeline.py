@@ -319,7 +319,8 @@ def prepare(src: str | Path, opts: ConvertOptions) -> tuple[Checkpoint, Any, Pla
     if plan.problems:
         p = plan.problems[0]
         more = f" (and {len(plan.problems) - 1} more; run mxfp4conv inspect)" if len(plan.problems) > 1 else ""
-        raise InputError(p.message + more, file=p.file, tensor=p.tensor or None)
+        raise InputError(p.message + more, file=p.file, tensor=p.tensor or None,
+                         hint="run `mxfp4conv inspect SRC` for every problem; fix or re-download the checkpoint")
     name = resolve_auto(plan.facts.model_type) if opts.target == "auto" else opts.target
     target = get_target(name)
     ctx = writer_context(plan, ckpt, {**opts.extra, "target": name, "scale_rule": opts.scale_rule})
@@ -393,6 +394,10 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
     except OutputError:
         remove_tree(staging)  # e.g. a full disk: nothing worth resuming
         raise
+    except OSError as exc:  # JSON files, copied extras, manifest, publish
+        remove_tree(staging)
+        raise OutputError(f"cannot write the output: {exc.strerror or exc}", file=str(getattr(exc, "filename", None) or dst),
+                          hint="free disk space or choose another destination") from exc
     except BaseException:
         if not keep_staging:
             remove_tree(staging)

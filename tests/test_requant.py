@@ -265,6 +265,7 @@ def test_cuda_device_dispatches_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -
     fake.requant_rows = fake_requant_rows  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "mxfp4conv.kernels.requant_triton", fake)
     monkeypatch.setattr(rq, "_to_device", lambda t, device: t)
+    monkeypatch.setattr(rq, "GPU_MIN_CHUNK_ROWS", 1)  # exercise chunking on tiny data
     w = nvfp4_weight(2, 8, 64, True, seed=9)
     mx, st = requant_nvfp4_to_mxfp4(w, ScaleRule.EVEN, device="cuda:0", chunk_rows=5)
     assert calls == [(5, True, ScaleRule.EVEN)] * 3 + [(1, True, ScaleRule.EVEN)]

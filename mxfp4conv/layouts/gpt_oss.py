@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from mxfp4conv.canonical import Canonical, FP4Weight, MoELayer, Passthrough, UnitSpec
+from mxfp4conv.errors import InputError
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts.base import Plan, Problem, config_facts
 
@@ -48,10 +49,14 @@ def interleave_rows(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
 def plan(ckpt: Checkpoint) -> Plan:
     q = ckpt.config.get("quantization_config")
     ignore = q.get("modules_to_not_convert") if isinstance(q, dict) else None
+    problems: list[Problem] = []
+    if ignore is not None and not (isinstance(ignore, list) and all(isinstance(x, str) for x in ignore)):
+        raise InputError(f"quantization_config.modules_to_not_convert must be a list of module patterns, "
+                         f"got {type(ignore).__name__}", file=str(ckpt.root / "config.json"),
+                         hint="restore config.json from the original release")
     facts = config_facts(ckpt.config, scheme="w4a16", quant="mxfp4", expert_names=("gate_up_proj", "gate_up_proj", "down_proj"),
                          ignore=tuple(str(x) for x in ignore or ()))
     t = ckpt.tensors
-    problems: list[Problem] = []
     units: list[UnitSpec] = []
     consumed: set[str] = set()
     for name in sorted(n for n in t if n.endswith((".gate_up_proj_blocks", ".down_proj_blocks"))):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from mxfp4conv.canonical import Canonical, UnitSpec
+from mxfp4conv.errors import InputError
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts.base import (
     EXPERT_RE,
@@ -56,6 +57,10 @@ def detect(ckpt: Checkpoint) -> list[str] | None:
 def plan(ckpt: Checkpoint) -> Plan:
     info, _ = quant_info(ckpt)
     exclude = info.get("exclude_modules") or []
+    if not (isinstance(exclude, list) and all(isinstance(x, str) for x in exclude)):
+        where = "hf_quant_config.json" if ckpt.hf_quant_config else "config.json"
+        raise InputError(f"exclude_modules must be a list of fnmatch patterns, got {type(exclude).__name__}",
+                         file=str(ckpt.root / where), hint="restore the file from the original release")
     names = ("gate_proj", "up_proj", "down_proj")
     w4a4 = False
     for n in ckpt.tensors:
