@@ -44,10 +44,13 @@ def quant_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _pack(_codes(q.clamp(-6, 6)).reshape(w.shape)), (e + 127).to(torch.uint8)
 
 
-def quant_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[N, K] -> (packed [N, K/2], e4m3 scales [N, K/16], weight_scale_2 float32 scalar), like ModelOpt."""
+def quant_nvfp4(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] -> (packed [N, K/2], e4m3 scales [N, K/16], weight_scale_2 float32 scalar), like ModelOpt.
+
+    ``amax`` ties the second-level scale across modules (ModelOpt and llm-compressor tie gate and up).
+    """
     w = w.float()
-    ws2 = (w.abs().amax() / (6 * 448)).clamp_min(1e-12)
+    ws2 = ((w.abs().amax() if amax is None else amax) / (6 * 448)).clamp_min(1e-12)
     blocks = w.reshape(*w.shape[:-1], -1, 16)
     scale = (blocks.abs().amax(-1) / (6 * ws2)).clamp(max=448).to(torch.float8_e4m3fn)
     s = scale.float().clamp_min(2.0**-9) * ws2
@@ -170,7 +173,8 @@ def build(layout: str, root: Path, *, layers: int = 2, experts: int = 4, hidden:
                 if layout == "ct-mxfp4":
                     t[f"{m}.weight_packed"], t[f"{m}.weight_scale"] = quant_mxfp4(w)
                 else:
-                    pk, sc, ws2 = quant_nvfp4(w)
+                    tied = w13[e].abs().amax() if name != names[2] else None  # gate and up share weight_scale_2
+                    pk, sc, ws2 = quant_nvfp4(w, tied)
                     if layout == "modelopt-nvfp4":
                         t[f"{m}.weight"], t[f"{m}.weight_scale"], t[f"{m}.weight_scale_2"] = pk, sc, ws2
                         t[f"{m}.input_scale"] = torch.tensor(0.01 / 6 / 448, dtype=torch.float32)

@@ -53,7 +53,7 @@ def _gptoss(ctx: WriterContext) -> bool:
 
 
 def _geo(spec: UnitSpec, ctx: WriterContext) -> _Geo:
-    tp, rank, engine, _ = _opts(ctx)
+    tp, rank, engine, keep = _opts(ctx)
     _, h, i = spec.dims
     if _gptoss(ctx) and engine == "vllm":
         chunk = -(-i // 32 // tp) * 32
@@ -61,6 +61,9 @@ def _geo(spec: UnitSpec, ctx: WriterContext) -> _Geo:
         hp, ip = fm.gptoss_marlin_padded_sizes(h, i // tp)
         return _Geo(start, min(i, start + chunk) - start, ip, hp, True)
     i_r = i // tp
+    if keep and not _gptoss(ctx):  # vLLM's NVFP4 MoE preparation pads I per gate/up shard (MARLIN.md §4)
+        step = 64 if h % 128 == 0 else 128
+        return _Geo(rank * i_r, i_r, -(-i_r // step) * step, h, False)
     if _gptoss(ctx):  # sglang: per-shard padding
         ip = -(-i_r // (64 if h % 128 == 0 else 128)) * (64 if h % 128 == 0 else 128)
         return _Geo(rank * i_r, i_r, ip, h, False)
@@ -76,9 +79,10 @@ class MarlinTarget(Target):
 
     def refuse(self, ctx: WriterContext) -> str | None:
         tp, _, engine, keep = _opts(ctx)
-        if keep:
-            return ("--keep-nvfp4 is not supported by this release's Marlin writer (NVFP4 sources are "
-                    "requantized to MXFP4); drop the flag")
+        if keep and ctx.facts.source_quant != "nvfp4":
+            return "--keep-nvfp4 needs an NVFP4 source (this one is MXFP4)"
+        if keep and _gptoss(ctx):
+            return "--keep-nvfp4: GPT-OSS has no NVFP4 Marlin layer in vLLM; drop the flag to requantize to MXFP4"
         group = 16 if keep else 32
         for u in ctx.units:
             if u.kind == "moe":
@@ -86,7 +90,8 @@ class MarlinTarget(Target):
                 if i % tp:
                     return f"{u.key}: intermediate size {i} is not divisible by --tp-size {tp}"
                 if not _gptoss(ctx):
-                    for what, n, k in (("w13", 2 * (i // tp), h), ("w2", h, i // tp)):
+                    ip = _geo(u, ctx).ip
+                    for what, n, k in (("w13", 2 * ip, h), ("w2", h, ip)):
                         if why := fm.check_marlin_shape(n, k, group):
                             return f"{u.key}.{what} per rank [N={n}, K={k}] fails the Marlin rule {why}"
                 elif (i // tp) % 32:
@@ -202,9 +207,35 @@ class MarlinTarget(Target):
     # ---- encode / decode ----------------------------------------------------------------------
 
     def encode(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> list[torch.Tensor]:
-        part = self.slice_for_rank(unit, spec, ctx)
+        if isinstance(unit, MoELayer | DenseFP4):
+            return self._encode_part(self.slice_for_rank(unit, spec, ctx), spec, ctx)
+        return super().encode(unit, spec, ctx)
+
+    def verify_unit(self, want: Canonical, spec: UnitSpec, ctx: WriterContext, get: Getter) -> list[dict[str, str]] | None:
+        """NVFP4 kept as NVFP4: S0E5M3 scales do not decode uniquely ((s*2^k, g/2^k) encode alike), so
+        the rank's slice of SRC is encoded again and every output byte compared; the FP4 codes are
+        also decoded back and compared. None (the default decode-and-compare) for MXFP4 outputs."""
+        if not _opts(ctx)[3] or spec.kind == "passthrough":
+            return None
+        assert isinstance(want, MoELayer | DenseFP4)
+        out: list[dict[str, str]] = []
+        for o, t in zip(self.out_specs(spec, ctx), self._encode_part(want, spec, ctx), strict=True):
+            got = get(o.name)
+            a, b = t.contiguous().reshape(-1).view(torch.uint8), got.contiguous().reshape(-1).view(torch.uint8)
+            if a.shape != b.shape or not torch.equal(a, b):
+                out.append({"tensor": o.name, "message": "bytes differ from SRC re-encoded for this rank"})
+        if isinstance(want, MoELayer) and not out:
+            geo = _geo(spec, ctx)
+            codes = fm.unrepack_fp4_weight(get(f"{spec.key}.w2_weight"), geo.hp, geo.ip)[..., : spec.dims[1], : geo.rows // 2]
+            if not torch.equal(codes, want.w2.packed):
+                out.append({"tensor": f"{spec.key}.w2_weight", "message": "decoded FP4 codes differ from SRC"})
+        return out
+
+    def _encode_part(self, part: Canonical, spec: UnitSpec, ctx: WriterContext) -> list[torch.Tensor]:
         names = [t.name for t in self.out_specs(spec, ctx)]
         if isinstance(part, MoELayer):
+            if part.w13.quant == "nvfp4":
+                _check_one_global(part, spec)
             geo = _geo(spec, ctx)
             padded = self._pad_moe(part, geo)
             quant = part.w13.quant
@@ -222,7 +253,7 @@ class MarlinTarget(Target):
             out = fm.prepare_dense_fp4(w.packed, w.scales, quant=w.quant, bias=part.bias,
                                        global_scale=w.global_rows[0] if w.global_rows is not None else None)
             return [out[n.rsplit(".", 1)[1]] for n in names]
-        return super().encode(unit, spec, ctx)
+        raise TypeError(type(part).__name__)
 
     def _pad_moe(self, part: MoELayer, geo: _Geo) -> dict[str, torch.Tensor]:
         """Per-rank w13 rows in the engine's order, zero-padded to (2Ip, Hp) / (Hp, Ip)."""
@@ -290,6 +321,20 @@ class MarlinTarget(Target):
                                  "tp_rank": rank, "quant": "nvfp4" if keep else "mxfp4", "params_dtype": "bfloat16",
                                  "vllm_verified": VLLM_VERIFIED}
         return {**base, "quantization_config": q}
+
+
+def _check_one_global(part: MoELayer, spec: UnitSpec) -> None:
+    """Marlin NVFP4 holds one second-level scale per expert for w13: gate and up must agree."""
+    g = part.w13.global_rows
+    assert g is not None
+    bad = (g != g[:, :1]).any(dim=1).nonzero()
+    if bad.numel():
+        e = int(bad[0])
+        from mxfp4conv.errors import InputError
+
+        raise InputError(f"expert {e}: gate and up weight_scale_2 differ, but an NVFP4 Marlin layer holds one per "
+                         "expert (vLLM would mis-scale the up half)", tensor=f"{spec.key}.{e}",
+                         hint="drop --keep-nvfp4 to requantize to MXFP4, which keeps both scales exact")
 
 
 def _take_rows(w: FP4Weight, rows: torch.Tensor) -> FP4Weight:
