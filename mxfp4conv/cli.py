@@ -138,6 +138,8 @@ def _render_inspect(doc: dict[str, Any]) -> None:
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard.")
 @click.option("--tp-size", default=1, show_default=True, type=click.IntRange(1, 64), help="Marlin: tensor-parallel size.")
 @click.option("--engine", default="vllm", show_default=True, type=click.Choice(["vllm", "sglang"]), help="Marlin: target engine.")
+@click.option("--marlin-act", default="bf16", show_default=True, type=click.Choice(["bf16", "fp8"]),
+              help="Marlin: activation type of the kernel (fp8 = vLLM's W4A8 MXFP4 tiling).")
 @click.option("--keep-nvfp4", is_flag=True, help="Marlin: keep NVFP4 sources as NVFP4 (no requantization).")
 @click.option("--revision", default=None, help="Hugging Face revision (for a repo id SRC).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing DST (atomically).")
@@ -150,7 +152,7 @@ def _render_inspect(doc: dict[str, Any]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as one JSON document on stdout.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, devices: str | None, max_shard_size: str, tp_size: int,
-                engine: str, keep_nvfp4: bool, revision: str | None, overwrite: bool, dry_run: bool, no_verify: bool,
+                engine: str, marlin_act: str, keep_nvfp4: bool, revision: str | None, overwrite: bool, dry_run: bool, no_verify: bool,
                 resume: bool, partition: str | None, finish: bool, skip_if_current: bool, as_json: bool,
                 debug: bool) -> None:
     """Convert SRC (folder or HF repo id) into DST; verified before it appears.
@@ -168,6 +170,8 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
 
     def run() -> int:
         extra = {"tp_size": str(tp_size), "engine": engine}
+        if marlin_act != "bf16":
+            extra["marlin_act"] = marlin_act
         if keep_nvfp4:
             extra["keep_nvfp4"] = "1"
         opts = ConvertOptions(target=target, scale_rule=scale_rule, device=_device(device),

@@ -48,6 +48,11 @@ def _opts(ctx: WriterContext) -> tuple[int, int, str, bool]:
     return tp, rank, ctx.options.get("engine", "vllm"), ctx.options.get("keep_nvfp4") == "1"
 
 
+def _a8(ctx: WriterContext) -> bool:
+    """``--marlin-act fp8``: the FP8-activation (W4A8) tiling and scale layout (MARLIN.md §1-2)."""
+    return ctx.options.get("marlin_act", "bf16") == "fp8"
+
+
 def _gptoss(ctx: WriterContext) -> bool:
     return ctx.facts.model_type == "gpt_oss"
 
@@ -81,6 +86,8 @@ class MarlinTarget(Target):
         tp, _, engine, keep = _opts(ctx)
         if keep and ctx.facts.source_quant != "nvfp4":
             return "--keep-nvfp4 needs an NVFP4 source (this one is MXFP4)"
+        if keep and _a8(ctx):
+            return "--marlin-act fp8 exists for MXFP4 only (vLLM has no FP8-activation NVFP4 Marlin)"
         if keep and _gptoss(ctx):
             return "--keep-nvfp4: GPT-OSS has no NVFP4 Marlin layer in vLLM; drop the flag to requantize to MXFP4"
         group = 16 if keep else 32
@@ -123,7 +130,7 @@ class MarlinTarget(Target):
             "mxfp4conv.marlin_layout": LAYOUT_VERSION,
             "mxfp4conv.quant": "nvfp4" if keep else "mxfp4",
             "mxfp4conv.params_dtype": "bfloat16",
-            "mxfp4conv.act_dtype": "bf16",
+            "mxfp4conv.act_dtype": "fp8_e4m3" if _a8(ctx) else "bf16",
             "mxfp4conv.nvfp4_rescale": "true" if keep else "false",
             "mxfp4conv.tile_padding": "zero" if _gptoss(ctx) or any(u.kind == "dense" for u in ctx.units) else "none",
             "mxfp4conv.w13_order": "interleaved" if _gptoss(ctx) and engine == "vllm" else "halves",
@@ -243,14 +250,14 @@ class MarlinTarget(Target):
                 padded["w13"], padded["w13s"], padded["w2"], padded["w2s"], quant=quant,
                 w13_global=part.w13.global_rows[:, 0] if quant == "nvfp4" and part.w13.global_rows is not None else None,
                 w2_global=part.w2.global_rows[:, 0] if quant == "nvfp4" and part.w2.global_rows is not None else None,
-                w13_bias=padded.get("b13"), w2_bias=padded.get("b2"))
+                w13_bias=padded.get("b13"), w2_bias=padded.get("b2"), a8=_a8(ctx))
             b13, b2 = _bias_names(ctx)
             out = {**out, **({b13: out.pop("w13_bias")} if "w13_bias" in out else {}),
                    **({b2: out.pop("w2_bias")} if "w2_bias" in out else {})}
             return [out[n.rsplit(".", 1)[1]] for n in names]
         if isinstance(part, DenseFP4):
             w = part.weight
-            out = fm.prepare_dense_fp4(w.packed, w.scales, quant=w.quant, bias=part.bias,
+            out = fm.prepare_dense_fp4(w.packed, w.scales, quant=w.quant, bias=part.bias, a8=_a8(ctx),
                                        global_scale=w.global_rows[0] if w.global_rows is not None else None)
             return [out[n.rsplit(".", 1)[1]] for n in names]
         raise TypeError(type(part).__name__)
@@ -285,10 +292,8 @@ class MarlinTarget(Target):
             h = spec.dims[1]
             geo = _geo(spec, ctx)
             p = spec.key
-            w13 = _unmarlin(get(f"{p}.w13_weight"), get(f"{p}.w13_weight_scale"), 2 * geo.ip, geo.hp, keep,
-                            get(f"{p}.w13_weight_scale_2") if keep else None)
-            w2 = _unmarlin(get(f"{p}.w2_weight"), get(f"{p}.w2_weight_scale"), geo.hp, geo.ip, keep,
-                           get(f"{p}.w2_weight_scale_2") if keep else None)
+            w13 = _unmarlin(get(f"{p}.w13_weight"), get(f"{p}.w13_weight_scale"), 2 * geo.ip, geo.hp, _a8(ctx))
+            w2 = _unmarlin(get(f"{p}.w2_weight"), get(f"{p}.w2_weight_scale"), geo.hp, geo.ip, _a8(ctx))
             b13n, b2n = _bias_names(ctx)
             b13 = fm.unpermute_bias(get(f"{p}.{b13n}")) if spec.has_bias else None
             b2 = fm.unpermute_bias(get(f"{p}.{b2n}"))[:, :h] if spec.has_bias else None
@@ -306,8 +311,7 @@ class MarlinTarget(Target):
         if spec.kind == "dense":
             n, k = self._dense_nk(spec, ctx)
             np_, kp = (n, k) if fm.check_marlin_shape(n, k, g) is None else fm.marlin_padded_nk(n, k, g)
-            gs = get(f"{spec.key}.weight_global_scale").reshape(1) if keep else None
-            w = _crop(_unmarlin(get(f"{spec.key}.weight"), get(f"{spec.key}.weight_scale"), np_, kp, keep, gs),
+            w = _crop(_unmarlin(get(f"{spec.key}.weight"), get(f"{spec.key}.weight_scale"), np_, kp, _a8(ctx)),
                       slice(0, n), k, g)
             bias = fm.unpermute_bias(get(f"{spec.key}.bias"))[:n] if spec.has_bias else None
             return DenseFP4(spec.key, w, bias)
@@ -360,11 +364,7 @@ def _multiplier(w: FP4Weight) -> FP4Weight:
     return FP4Weight(w.quant, w.packed, w.scales, (1.0 / w.global_rows).float(), False)
 
 
-def _unmarlin(weight: torch.Tensor, scale: torch.Tensor, n: int, k: int, keep: bool,
-              gs: torch.Tensor | None) -> FP4Weight:
-    packed = fm.unrepack_fp4_weight(weight, n, k)
-    if not keep:
-        return FP4Weight("mxfp4", packed, fm.mxfp4_scales_from_marlin(scale.view(torch.uint8)))
-    assert gs is not None
-    sf_scales = fm.nvfp4_scales_from_marlin(scale.view(torch.uint8), params_dtype=torch.bfloat16, sf=1.0)
-    return FP4Weight("nvfp4", packed, sf_scales.view(torch.float8_e4m3fn), gs.reshape(*gs.shape, 1).expand(*gs.shape, n))
+def _unmarlin(weight: torch.Tensor, scale: torch.Tensor, n: int, k: int, a8: bool) -> FP4Weight:
+    """Marlin MXFP4 tensors back to canonical codes and E8M0 bytes (NVFP4 is verified by re-encoding)."""
+    packed = fm.unrepack_fp4_weight(weight, n, k, a8=a8)
+    return FP4Weight("mxfp4", packed, fm.mxfp4_scales_from_marlin(scale.view(torch.uint8), a8=a8))
