@@ -97,6 +97,9 @@ def _check(gb, gs, gbias, db, ds, dbias, e_cfg: int, h_cfg: int, i_cfg: int) -> 
     for ref in (gb, gs, db, ds):
         if ref.dtype != "U8":
             return f"{ref.name} has dtype {ref.dtype}, expected U8"
+    for ref in (gbias, dbias):
+        if ref.dtype not in ("BF16", "F16", "F32") or ref.dtype != gbias.dtype:
+            return f"{ref.name} has dtype {ref.dtype}; expert biases must share one float dtype ({gbias.dtype})"
     if (e_cfg and e != e_cfg) or (h_cfg and h != h_cfg) or (i_cfg and i != i_cfg):
         return (f"experts [E={e}, H={h}, I={i}] disagree with config.json (num_local_experts={e_cfg}, "
                 f"hidden_size={h_cfg}, intermediate_size={i_cfg})")
