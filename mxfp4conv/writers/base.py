@@ -17,7 +17,7 @@ import torch
 
 from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, ModelFacts, MoELayer, Passthrough, UnitSpec
 
-__all__ = ["OutTensor", "Target", "WriterContext", "dense_module_names", "exact_ignore_list", "split_names"]
+__all__ = ["OutTensor", "SplitTarget", "Target", "WriterContext", "dense_module_names", "exact_ignore_list", "split_names"]
 
 Getter = Callable[[str], torch.Tensor]
 
@@ -187,3 +187,37 @@ def split_direct_sources(spec: UnitSpec, ctx: WriterContext) -> list[str] | None
             base = f"{spec.key}.{e}.{proj}"
             out += [f"{base}.weight_packed", f"{base}.weight_scale"] + ([f"{base}.bias"] if spec.has_bias else [])
     return out
+
+
+class SplitTarget(Target):
+    """Per-expert split tensors ``<experts>.E.<proj>.{PACKED, weight_scale, bias}`` and dense
+    ``<module>.{PACKED, weight_scale, bias}``: what compressed-tensors and Quark share."""
+
+    PACKED = "weight_packed"
+    SCALE = "weight_scale"
+
+    def direct_sources(self, spec: UnitSpec, ctx: WriterContext) -> list[str] | None:
+        if spec.kind == "passthrough":
+            return super().direct_sources(spec, ctx)
+        return split_direct_sources(spec, ctx)
+
+    def out_specs(self, spec: UnitSpec, ctx: WriterContext) -> list[OutTensor]:
+        if spec.kind == "moe":
+            return moe_split_specs(spec, ctx, self.PACKED, self.SCALE)
+        if spec.kind == "dense":
+            return dense_specs(spec, self.PACKED, self.SCALE)
+        return super().out_specs(spec, ctx)
+
+    def encode(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> list[torch.Tensor]:
+        if isinstance(unit, MoELayer):
+            return moe_split_encode(unit)
+        if isinstance(unit, DenseFP4):
+            return dense_encode(unit)
+        return super().encode(unit, spec, ctx)
+
+    def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
+        if spec.kind == "moe":
+            return moe_split_decode(spec, ctx, get, self.PACKED, self.SCALE)
+        if spec.kind == "dense":
+            return dense_decode(spec, get, self.PACKED, self.SCALE)
+        return super().decode(spec, ctx, get)

@@ -8,23 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from mxfp4conv.canonical import Canonical, DenseFP4, MoELayer, UnitSpec
-from mxfp4conv.writers.base import (
-    Getter,
-    OutTensor,
-    Target,
-    WriterContext,
-    dense_decode,
-    dense_encode,
-    dense_specs,
-    exact_ignore_list,
-    moe_split_decode,
-    moe_split_encode,
-    moe_split_specs,
-    split_direct_sources,
-)
+from mxfp4conv.writers.base import SplitTarget, WriterContext, exact_ignore_list
 
 CT_VERSION = "0.19.0"  # the compressed-tensors release whose config format this mirrors
 
@@ -55,40 +39,15 @@ def quantization_config(ctx: WriterContext) -> dict[str, Any]:
     }
 
 
-class CtTarget(Target):
+class CtTarget(SplitTarget):
     NAME = "ct"
+    PACKED = "weight_packed"
 
     def refuse(self, ctx: WriterContext) -> str | None:
         if ctx.facts.model_type == "gpt_oss":
             return ("vLLM's GPT-OSS loader reads only its native mxfp4 and the quark layouts; "
                     "use --to gpt-oss or --to quark")
         return None
-
-    def direct_sources(self, spec: UnitSpec, ctx: WriterContext) -> list[str] | None:
-        if spec.kind == "passthrough":
-            return super().direct_sources(spec, ctx)
-        return split_direct_sources(spec, ctx)
-
-    def out_specs(self, spec: UnitSpec, ctx: WriterContext) -> list[OutTensor]:
-        if spec.kind == "moe":
-            return moe_split_specs(spec, ctx, "weight_packed", "weight_scale")
-        if spec.kind == "dense":
-            return dense_specs(spec, "weight_packed", "weight_scale")
-        return super().out_specs(spec, ctx)
-
-    def encode(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> list[torch.Tensor]:
-        if isinstance(unit, MoELayer):
-            return moe_split_encode(unit)
-        if isinstance(unit, DenseFP4):
-            return dense_encode(unit)
-        return super().encode(unit, spec, ctx)
-
-    def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
-        if spec.kind == "moe":
-            return moe_split_decode(spec, ctx, get, "weight_packed", "weight_scale")
-        if spec.kind == "dense":
-            return dense_decode(spec, get, "weight_packed", "weight_scale")
-        return super().decode(spec, ctx, get)
 
     def config(self, src_config: dict[str, object], ctx: WriterContext) -> dict[str, object]:
         out = dict(src_config)

@@ -11,21 +11,14 @@ from typing import Any
 
 import torch
 
-from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, MoELayer, UnitSpec
+from mxfp4conv.canonical import Canonical, FP4Weight, MoELayer, UnitSpec
 from mxfp4conv.layouts.gpt_oss import deinterleave_rows, interleave_rows
 from mxfp4conv.writers.base import (
     Getter,
     OutTensor,
-    Target,
+    SplitTarget,
     WriterContext,
-    dense_decode,
-    dense_encode,
-    dense_specs,
     exact_ignore_list,
-    moe_split_decode,
-    moe_split_encode,
-    moe_split_specs,
-    split_direct_sources,
 )
 
 QUARK_VERSION = "0.10"
@@ -55,18 +48,17 @@ def quantization_config(ctx: WriterContext) -> dict[str, Any]:
     }
 
 
-class QuarkTarget(Target):
+class QuarkTarget(SplitTarget):
     NAME = "quark"
+    PACKED = "weight"
 
     def _fused(self, ctx: WriterContext) -> bool:
         return ctx.facts.model_type == "gpt_oss"
 
     def direct_sources(self, spec: UnitSpec, ctx: WriterContext) -> list[str] | None:
-        if spec.kind == "passthrough":
-            return super().direct_sources(spec, ctx)
         if spec.kind == "moe" and self._fused(ctx):
             return None  # gpt_oss per-expert fused names interleave gate/up rows: not a rename
-        return split_direct_sources(spec, ctx)
+        return super().direct_sources(spec, ctx)
 
     def out_specs(self, spec: UnitSpec, ctx: WriterContext) -> list[OutTensor]:
         if spec.kind == "moe" and self._fused(ctx):
@@ -83,10 +75,6 @@ class QuarkTarget(Target):
                 if spec.has_bias:
                     out.append(OutTensor(f"{p}.w2_bias", bias, (h,)))
             return out
-        if spec.kind == "moe":
-            return moe_split_specs(spec, ctx, "weight", "weight_scale")
-        if spec.kind == "dense":
-            return dense_specs(spec, "weight", "weight_scale")
         return super().out_specs(spec, ctx)
 
     def encode(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> list[torch.Tensor]:
@@ -98,10 +86,6 @@ class QuarkTarget(Target):
                 out += [w13p[e], w13s[e]] + ([b13[e]] if b13 is not None else [])
                 out += [unit.w2.packed[e], unit.w2.scales[e]] + ([unit.w2_bias[e]] if unit.w2_bias is not None else [])
             return out
-        if isinstance(unit, MoELayer):
-            return moe_split_encode(unit)
-        if isinstance(unit, DenseFP4):
-            return dense_encode(unit)
         return super().encode(unit, spec, ctx)
 
     def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
@@ -115,10 +99,6 @@ class QuarkTarget(Target):
             w2 = FP4Weight("mxfp4", stack("w2_weight"), stack("w2_weight_scale"))
             b13 = deinterleave_rows(stack("w13_bias")) if spec.has_bias else None
             return MoELayer(spec.key, w13, w2, b13, stack("w2_bias") if spec.has_bias else None)
-        if spec.kind == "moe":
-            return moe_split_decode(spec, ctx, get, "weight", "weight_scale")
-        if spec.kind == "dense":
-            return dense_decode(spec, get, "weight", "weight_scale")
         return super().decode(spec, ctx, get)
 
     def config(self, src_config: dict[str, object], ctx: WriterContext) -> dict[str, object]:
