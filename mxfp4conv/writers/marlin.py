@@ -286,8 +286,8 @@ class MarlinTarget(Target):
         return out
 
     def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
-        keep = _opts(ctx)[3]
-        g = 16 if keep else 32
+        """Marlin MXFP4 -> canonical (inverse permutations, padding cropped); NVFP4 goes through verify_unit."""
+        g = 32
         if spec.kind == "moe":
             h = spec.dims[1]
             geo = _geo(spec, ctx)
