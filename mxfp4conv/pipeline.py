@@ -80,8 +80,6 @@ class ConvertReport:
     verify: dict[str, Any] | None = None
     requant_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    exit_code = 0
-
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["schema_version"] = SCHEMA_VERSION
@@ -92,21 +90,9 @@ class ConvertReport:
 class _ShardPlan:
     folder: str  # "" or "rank-N"
     file: str
-    units: list[UnitSpec]
-    tensors: list[OutTensor]
-
-    @property
-    def nbytes(self) -> int:
-        from mxfp4conv.io.safetensors_io import DTYPES
-
-        return sum(DTYPES[t.dtype][1] * _prod(t.shape) for t in self.tensors)
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
+    units: list[UnitSpec] = field(default_factory=list)
+    tensors: list[OutTensor] = field(default_factory=list)
+    nbytes: int = 0
 
 
 def _sha256(path: Path) -> str:
@@ -137,22 +123,17 @@ def plan_shards(target: Target, ctx: WriterContext, plan: Plan, max_bytes: int, 
     cur: _ShardPlan | None = None
     for spec in plan.units:
         outs = target.out_specs(spec, ctx)
-        size = sum(_prod(t.shape) * _itemsize(t.dtype) for t in outs)
+        size = sum(t.nbytes for t in outs)
         if cur is None or (cur.tensors and cur.nbytes + size > max_bytes):
-            cur = _ShardPlan(folder, "", [], [])
+            cur = _ShardPlan(folder, "")
             shards.append(cur)
         cur.units.append(spec)
         cur.tensors.extend(outs)
+        cur.nbytes += size
     n = len(shards)
     for i, s in enumerate(shards):
         s.file = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
     return shards
-
-
-def _itemsize(dtype: str) -> int:
-    from mxfp4conv.io.safetensors_io import DTYPES
-
-    return DTYPES[dtype][1]
 
 
 def _devices(opts: ConvertOptions) -> list[str]:
@@ -203,7 +184,7 @@ def direct_slices(spec: UnitSpec, ckpt: Checkpoint, target: Target, ctx: WriterC
         return None
     outs = target.out_specs(spec, ctx)
     refs = [ckpt.tensors[n] for n in names]
-    if len(refs) != len(outs) or any(r.dtype != o.dtype or r.nbytes != _prod(o.shape) * _itemsize(o.dtype)
+    if len(refs) != len(outs) or any(r.dtype != o.dtype or r.nbytes != o.nbytes
                                      for r, o in zip(refs, outs, strict=True)):
         return None
     for ref in refs:  # E8M0 0xFF (NaN) is invalid input even when only copied

@@ -8,6 +8,7 @@ canonical unit in the same order, ``decode`` maps written tensors back to the ca
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, ModelFacts, MoELayer, Passthrough, UnitSpec
+from mxfp4conv.io.safetensors_io import DTYPES
 
 __all__ = ["OutTensor", "SplitTarget", "Target", "WriterContext", "dense_module_names", "exact_ignore_list", "split_names"]
 
@@ -26,6 +28,10 @@ class OutTensor(NamedTuple):
     name: str
     dtype: str  # safetensors dtype string
     shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype][1]
 
 
 @dataclass(frozen=True)
