@@ -117,7 +117,8 @@ def bench_configs(r: int, k: int, dev: torch.device, base: dict[str, Any], out: 
     """Time the launch shapes (EVEN, multiplier); return the fastest."""
     slab, outs = make_slab(r, k, False, dev), _outs(r, k, dev)
     best: tuple[float, KernelConfig] = (float("inf"), KernelConfig())
-    for nw, cb, pf in ((4, 1, False), (8, 1, False), (4, 2, False), (4, 1, True), (8, 1, True)):
+    for nw, cb, pf in ((8, 1, False), (8, 2, False), (8, 4, False), (4, 4, False), (8, 1, True), (8, 2, True),
+                       (8, 4, True), (4, 2, True), (4, 4, True)):
         cfg = KernelConfig(num_warps=nw, blocks_per_iter=cb, prefetch=pf)
         ms, _, _ = bench_ms(lambda cfg=cfg: requant_rows_into(*slab, False, "even", *outs, config=cfg), 300)
         emit({**base, "case": "kernel_config", "rule": "even", "num_warps": nw, "blocks_per_iter": cb,

@@ -307,18 +307,24 @@ def test_configs_identical() -> None:
     cases = [(False, KernelConfig(num_warps=1, blocks_per_iter=1)),
              (False, KernelConfig(num_warps=2, blocks_per_iter=2)),
              (False, KernelConfig(num_warps=8, blocks_per_iter=1)),
+             (False, KernelConfig(num_warps=4, blocks_per_iter=4)),
              (False, KernelConfig(num_warps=4, prefetch=True)),
+             (False, KernelConfig(num_warps=4, blocks_per_iter=2, prefetch=True)),
+             (False, KernelConfig(num_warps=8, blocks_per_iter=4, prefetch=True)),
              (True, KernelConfig(num_warps=4, fast_div=False)),
              (True, KernelConfig(num_warps=4, fast_div=True)),
-             (True, KernelConfig(num_warps=8, prefetch=True))]
-    for divisor, cfg in cases:
-        packed, sc, g = random_nvfp4(1000, 512, divisor, seed=5)
-        cpu = requant_rows_cpu(packed, sc, g, divisor, _rule("even"))
-        outs = (torch.empty((1000, 256), dtype=torch.uint8, device=DEV),
-                torch.empty((1000, 16), dtype=torch.uint8, device=DEV),
-                torch.empty((1000, 5), dtype=torch.float64, device=DEV))
-        requant_rows_into(packed.to(DEV), sc.to(DEV), g.to(DEV), divisor, _rule("even"), *outs, config=cfg)
-        assert_identical(outs, cpu, f"{cfg} divisor={divisor}")
+             (True, KernelConfig(num_warps=8, prefetch=True)),
+             (True, KernelConfig(num_warps=4, blocks_per_iter=4, prefetch=True))]
+    for k in (512, 96):  # 16 blocks per row, and 3 (tiles of 2 and 4 fall back to 1)
+        for rule in ("even", "mse"):
+            for divisor, cfg in cases:
+                packed, sc, g = random_nvfp4(1000, k, divisor, seed=5)
+                cpu = requant_rows_cpu(packed, sc, g, divisor, _rule(rule))
+                outs = (torch.empty((1000, k // 2), dtype=torch.uint8, device=DEV),
+                        torch.empty((1000, k // 32), dtype=torch.uint8, device=DEV),
+                        torch.empty((1000, 5), dtype=torch.float64, device=DEV))
+                requant_rows_into(packed.to(DEV), sc.to(DEV), g.to(DEV), divisor, _rule(rule), *outs, config=cfg)
+                assert_identical(outs, cpu, f"{cfg} {rule} k={k} divisor={divisor}")
     packed, sc, g = random_nvfp4(600, 256, True, seed=6)
     cpu = requant_rows_cpu(packed, sc, g, True, _rule("mse"))
     outs = (torch.empty((600, 128), dtype=torch.uint8, device=DEV),

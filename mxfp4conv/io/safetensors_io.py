@@ -18,7 +18,7 @@ import os
 import queue
 import stat
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -279,7 +279,10 @@ def write_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]]
 
 
 class _BackgroundWriter:
-    """One thread that writes and hashes queued buffers in order; errors surface on put/close."""
+    """Two threads per shard: one writes queued buffers in order, one hashes them in order (both
+    release the GIL, so on two cores the sha256 costs no wall time). A byte range copied from a
+    source file is hashed from the source bytes (they are the output bytes). Errors surface on
+    put/close; a buffer's memory is released once both threads are done with it."""
 
     def __init__(self, path: Path, max_inflight: int) -> None:
         try:
@@ -289,31 +292,58 @@ class _BackgroundWriter:
                               hint="check the destination folder's permissions and free space") from exc
         self._path = path
         self._digest = hashlib.sha256()
-        self._queue: queue.Queue[bytes | memoryview | FileSlice | None] = queue.Queue()
-        self._buf: bytearray | None = None
+        self._wq: queue.Queue[list[Any] | None] = queue.Queue()
+        self._hq: queue.Queue[list[Any] | None] = queue.Queue()
         self._cond = threading.Condition()
         self._inflight = 0
         self._max = max_inflight
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="mxfp4conv-writer", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._loop, args=(self._wq, self._write_item), name="mxfp4conv-writer",
+                                          daemon=True),
+                         threading.Thread(target=self._loop, args=(self._hq, self._hash_item), name="mxfp4conv-hasher",
+                                          daemon=True)]
+        for t in self._threads:
+            t.start()
 
-    def _run(self) -> None:
+    def _loop(self, q: queue.Queue[list[Any] | None], fn: Callable[[bytes | memoryview | FileSlice], None]) -> None:
         while True:
-            raw = self._queue.get()
-            if raw is None:
+            item = q.get()
+            if item is None:
                 return
             try:
                 if self._error is None:
-                    if isinstance(raw, FileSlice):
-                        self._copy(raw)
-                    else:
-                        self._write(raw)
+                    fn(item[0])
             except BaseException as exc:  # reported to the producer
                 self._error = exc
             with self._cond:
-                self._inflight -= 0 if isinstance(raw, FileSlice) else len(raw)
+                item[1] -= 1
+                if item[1] == 0:
+                    self._inflight -= 0 if isinstance(item[0], FileSlice) else len(item[0])
                 self._cond.notify_all()
+
+    def _write_item(self, raw: bytes | memoryview | FileSlice) -> None:
+        if isinstance(raw, FileSlice):
+            self._copy(raw)
+        else:
+            self._write(raw)
+
+    def _hash_item(self, raw: bytes | memoryview | FileSlice) -> None:
+        if not isinstance(raw, FileSlice):
+            self._digest.update(raw)
+            return
+        buf = memoryview(bytearray(min(COPY_CHUNK, raw.length)))
+        fd = os.open(raw.file, os.O_RDONLY)
+        try:
+            pos, left = raw.begin, raw.length
+            while left and self._error is None:
+                got = os.preadv(fd, [buf[:min(left, COPY_CHUNK)]], pos)
+                if got <= 0:
+                    raise OSError(5, f"short read from {raw.file}")
+                self._digest.update(buf[:got])
+                pos += got
+                left -= got
+        finally:
+            os.close(fd)
 
     def _write(self, raw: bytes | memoryview) -> None:
         view = memoryview(raw)
@@ -322,30 +352,26 @@ class _BackgroundWriter:
             if not n:
                 raise OSError(28, "No space left on device")
             view = view[n:]
-        self._digest.update(raw)
 
     def _copy(self, src: FileSlice) -> None:
-        if self._buf is None:
-            self._buf = bytearray(COPY_CHUNK)
-        buf = memoryview(self._buf)
         fd = os.open(src.file, os.O_RDONLY)
         try:
             pos, left = src.begin, src.length
+            if COPY_MODE == "copy_file_range":
+                while left:
+                    got = os.copy_file_range(fd, self._fh.fileno(), min(left, COPY_CHUNK), pos)
+                    if got <= 0:
+                        raise OSError(5, "copy_file_range made no progress")
+                    pos += got
+                    left -= got
+                return
+            buf = memoryview(bytearray(min(COPY_CHUNK, src.length)))
             while left:
                 n = min(left, COPY_CHUNK)
-                if COPY_MODE == "copy_file_range":
-                    done = 0
-                    while done < n:
-                        got = os.copy_file_range(fd, self._fh.fileno(), n - done, pos + done)
-                        if got <= 0:
-                            raise OSError(5, "copy_file_range made no progress")
-                        done += got
-                    self._digest.update(buf[: os.preadv(fd, [buf[:n]], pos)])
-                else:
-                    got = os.preadv(fd, [buf[:n]], pos)
-                    if got != n:
-                        raise OSError(5, f"short read from {src.file}")
-                    self._write(buf[:n])
+                got = os.preadv(fd, [buf[:n]], pos)
+                if got != n:
+                    raise OSError(5, f"short read from {src.file}")
+                self._write(buf[:n])
                 pos += n
                 left -= n
         finally:
@@ -365,11 +391,18 @@ class _BackgroundWriter:
             while self._inflight and self._inflight + size > self._max and self._error is None:
                 self._cond.wait()
             self._inflight += size
-        self._queue.put(raw)
+        item: list[Any] = [raw, 2]
+        self._wq.put(item)
+        self._hq.put(item)
+
+    def _join(self) -> None:
+        self._wq.put(None)
+        self._hq.put(None)
+        for t in self._threads:
+            t.join()
 
     def close(self) -> str:
-        self._queue.put(None)
-        self._thread.join()
+        self._join()
         self._raise()
         try:
             os.fsync(self._fh.fileno())
@@ -381,8 +414,7 @@ class _BackgroundWriter:
 
     def abort(self) -> None:
         self._error = self._error or RuntimeError("aborted")
-        self._queue.put(None)
-        self._thread.join()
+        self._join()
         with contextlib.suppress(OSError):
             self._fh.close()
 

@@ -294,6 +294,14 @@ def _block(w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe,
 
 
 @triton.jit
+def _ld(in_row, sc_row, j, c4, c2, m):
+    """Block ``j`` of every row: its 4 packed words [ROWS, 4] and 2 E4M3 bytes [ROWS, 2]."""
+    wt = tl.load(in_row[:, None] + (j * 4 + c4)[None, :], mask=m, other=0)
+    st = tl.load(sc_row[:, None] + (j * 2 + c2)[None, :], mask=m, other=0)
+    return wt, st
+
+
+@triton.jit
 def _step(wt, st, j, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
           rsq, rsig, rmx, rclip, rexact,
           ROWS: tl.constexpr, RULE: tl.constexpr, DIVISOR: tl.constexpr, FAST_DIV: tl.constexpr,
@@ -322,7 +330,7 @@ def _step(wt, st, j, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
 @triton.jit
 def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
                         s_in, s_sc, s_out, s_osc,
-                        RULE: tl.constexpr, DIVISOR: tl.constexpr, CB: tl.constexpr,
+                        RULE: tl.constexpr, DIVISOR: tl.constexpr, TILE: tl.constexpr,
                         ROWS: tl.constexpr, USE_ASM: tl.constexpr, STATS: tl.constexpr = True,
                         FAST_DIV: tl.constexpr = True, PREFETCH: tl.constexpr = False):
     """Requantize rows ``[pid*ROWS, pid*ROWS + ROWS)``; see the module docstring.
@@ -333,8 +341,8 @@ def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
     out_ptr: int32 [R, NB*4] packed MXFP4 words (row stride ``s_out``)
     osc_ptr: uint8 [R, NB] E8M0 bytes (row stride ``s_osc``)
     st_ptr:  fp64  [R, 5] (sq_err, signal, max_abs_err, clipped_blocks, exact_blocks)
-    NB must be a multiple of CB (blocks unrolled per iteration). PREFETCH loads block j+1 while
-    block j is computed (CB is then 1). STATS=False (a benchmark diagnostic) skips the statistics
+    NB must be a multiple of TILE (1, 2 or 4 blocks per row loaded at once, then computed in order).
+    PREFETCH loads tile t+1 while tile t is computed. STATS=False (a benchmark diagnostic) skips the statistics
     and leaves st_ptr untouched. FAST_DIV=False always uses ``div.rn.f32`` for the divisor.
     """
     pid = tl.program_id(0)
@@ -361,26 +369,72 @@ def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
     rmx = tl.zeros([ROWS], tl.float32)
     rclip = tl.zeros([ROWS], tl.int32)
     rexact = tl.zeros([ROWS], tl.int32)
+    # Loads of a tile (TILE blocks per row) are issued before any store of the tile (the output may
+    # alias the input as far as the compiler knows, so a load after a store cannot be hoisted);
+    # PREFETCH also issues the next tile's loads before the current tile is computed.
     if PREFETCH:
-        wt = tl.load(in_row[:, None] + c4[None, :], mask=m2, other=0)  # [ROWS, 4] int32
-        st = tl.load(sc_row[:, None] + c2[None, :], mask=m2, other=0)  # [ROWS, 2] uint8
-        for j in range(0, NB):
-            mn = m2 & (j + 1 < NB)
-            wt_next = tl.load(in_row[:, None] + ((j + 1) * 4 + c4)[None, :], mask=mn, other=0)
-            st_next = tl.load(sc_row[:, None] + ((j + 1) * 2 + c2)[None, :], mask=mn, other=0)
+        w0, s0 = _ld(in_row, sc_row, 0, c4, c2, m2)
+        w1, s1 = w0, s0
+        w2, s2 = w0, s0
+        w3, s3 = w0, s0
+        if TILE >= 2:
+            w1, s1 = _ld(in_row, sc_row, 1, c4, c2, m2)
+        if TILE == 4:
+            w2, s2 = _ld(in_row, sc_row, 2, c4, c2, m2)
+            w3, s3 = _ld(in_row, sc_row, 3, c4, c2, m2)
+        for j0 in range(0, NB, TILE):
+            mn = m2 & (j0 + TILE < NB)
+            n0, t0 = _ld(in_row, sc_row, j0 + TILE, c4, c2, mn)
+            n1, t1 = n0, t0
+            n2, t2 = n0, t0
+            n3, t3 = n0, t0
+            if TILE >= 2:
+                n1, t1 = _ld(in_row, sc_row, j0 + TILE + 1, c4, c2, mn)
+            if TILE == 4:
+                n2, t2 = _ld(in_row, sc_row, j0 + TILE + 2, c4, c2, mn)
+                n3, t3 = _ld(in_row, sc_row, j0 + TILE + 3, c4, c2, mn)
             rsq, rsig, rmx, rclip, rexact = _step(
-                wt, st, j, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                w0, s0, j0, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
                 rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
-            wt = wt_next
-            st = st_next
-    else:
-        for j0 in range(0, NB, CB):
-            for b in tl.static_range(CB):
-                j = j0 + b
-                wt = tl.load(in_row[:, None] + (j * 4 + c4)[None, :], mask=m2, other=0)
-                st = tl.load(sc_row[:, None] + (j * 2 + c2)[None, :], mask=m2, other=0)
+            if TILE >= 2:
                 rsq, rsig, rmx, rclip, rexact = _step(
-                    wt, st, j, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                    w1, s1, j0 + 1, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                    rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
+            if TILE == 4:
+                rsq, rsig, rmx, rclip, rexact = _step(
+                    w2, s2, j0 + 2, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                    rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
+                rsq, rsig, rmx, rclip, rexact = _step(
+                    w3, s3, j0 + 3, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                    rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
+            w0, s0 = n0, t0
+            w1, s1 = n1, t1
+            w2, s2 = n2, t2
+            w3, s3 = n3, t3
+    else:
+        for j0 in range(0, NB, TILE):
+            w0, s0 = _ld(in_row, sc_row, j0, c4, c2, m2)
+            w1, s1 = w0, s0
+            w2, s2 = w0, s0
+            w3, s3 = w0, s0
+            if TILE >= 2:
+                w1, s1 = _ld(in_row, sc_row, j0 + 1, c4, c2, m2)
+            if TILE == 4:
+                w2, s2 = _ld(in_row, sc_row, j0 + 2, c4, c2, m2)
+                w3, s3 = _ld(in_row, sc_row, j0 + 3, c4, c2, m2)
+            rsq, rsig, rmx, rclip, rexact = _step(
+                w0, s0, j0, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
+            if TILE >= 2:
+                rsq, rsig, rmx, rclip, rexact = _step(
+                    w1, s1, j0 + 1, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                    rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
+            if TILE == 4:
+                rsq, rsig, rmx, rclip, rexact = _step(
+                    w2, s2, j0 + 2, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                    rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
+                rsq, rsig, rmx, rclip, rexact = _step(
+                    w3, s3, j0 + 3, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
                     rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
     if STATS:
         st_row = st_ptr + r64 * 5

@@ -23,6 +23,7 @@ import torch
 
 __all__ = [
     "KernelConfig",
+    "default_config",
     "auto_num_warps",
     "requant_nvfp4_gpu_chunks",
     "requant_rows",
@@ -38,13 +39,23 @@ _STATS = 5  # sq_err, signal, max_abs_err, clipped_blocks, exact_blocks
 @dataclass(frozen=True)
 class KernelConfig:
     """Launch shape: ``num_warps`` warps of 32 threads, one row per thread (0: chosen per call
-    from R and the SM count, see ``auto_num_warps``); ``blocks_per_iter`` 32-blocks unrolled per
-    loop iteration (used when it divides K/32, else 4, 2 or 1)."""
+    from R and the SM count, see ``auto_num_warps``); ``blocks_per_iter`` 32-blocks per row loaded
+    at once, then computed in order (1, 2 or 4; used when it divides K/32, else 4, 2 or 1)."""
 
     num_warps: int = 0
     blocks_per_iter: int = 1
     fast_div: bool = True  # divisor convention: Markstein correction when |g| is in [2^-100, 2^100]
-    prefetch: bool = False  # load block j+1 while block j computes (blocks_per_iter is then 1)
+    prefetch: bool = False  # load tile t+1 while tile t computes
+
+
+def default_config(rule: object) -> KernelConfig:
+    """The launch shape measured fastest on an H200 (BENCHMARKS.md): tiles of 2 blocks with the next
+    tile prefetched for the single-candidate rules (1.59x the one-block loop on EVEN); the MSE
+    rule computes two candidates per block and is bound by instruction issue, where the extra
+    registers of prefetching cost more than they hide, so it keeps the one-block loop."""
+    if rule_id(rule) == _RULE_IDS["mse"]:
+        return KernelConfig(blocks_per_iter=1, prefetch=False)
+    return KernelConfig(blocks_per_iter=2, prefetch=True)
 
 
 def triton_available() -> bool:
@@ -113,8 +124,9 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def _blocks_per_iter(nb: int, want: int) -> int:
+    """The tile (blocks loaded at once per row): ``want`` if the kernel has it and it divides NB."""
     for cb in (want, 4, 2, 1):
-        if cb >= 1 and nb % cb == 0:
+        if cb in (1, 2, 4) and nb % cb == 0:
             return cb
     return 1
 
@@ -138,7 +150,7 @@ def requant_rows_into(
         packed_out: uint8 ``[R, K/2]``, row stride a multiple of 16 bytes, last dim contiguous.
         scales_out: uint8 ``[R, K/32]``, last dim contiguous.
         row_stats: float64 ``[R, 5]``, contiguous.
-        config: launch shape (``None``: the default ``KernelConfig()``).
+        config: launch shape (``None``: ``default_config(rule)``, the fastest measured on an H200).
         stats: False skips the statistics (``row_stats`` is left untouched): a benchmark
             diagnostic that prices them, not part of the contract.
     """
@@ -146,7 +158,7 @@ def requant_rows_into(
     if r == 0:
         return
     nb = k // 32
-    cfg = config or KernelConfig()
+    cfg = config or default_config(rule)
     if cfg.num_warps <= 0:
         nw = 32 if _interpret() else auto_num_warps(r, _sm_count(packed.device.index or 0))
         cfg = KernelConfig(nw, cfg.blocks_per_iter, cfg.fast_div, cfg.prefetch)
@@ -166,7 +178,7 @@ def requant_rows_into(
         w_in, sc, g, w_out, scales_out, row_stats, r, nb,
         w_in.stride(0), sc.stride(0), w_out.stride(0), scales_out.stride(0),
         RULE=rule_id(rule), DIVISOR=bool(divisor),
-        CB=1 if cfg.prefetch else _blocks_per_iter(nb, cfg.blocks_per_iter),
+        TILE=_blocks_per_iter(nb, cfg.blocks_per_iter),
         ROWS=rows, USE_ASM=not _interpret(), STATS=bool(stats), FAST_DIV=cfg.fast_div,
         PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=False,
