@@ -35,8 +35,17 @@ def tree(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+STAGES: dict[str, dict[str, float]] = {}
+
+
 def conv(src: Path, dst: Path, *flags: str) -> float:
-    return run([PY, "-m", "mxfp4conv", "convert", str(src), str(dst), "--to", "ct", "--json", *flags])
+    """Wall seconds of one CLI conversion; its --json per-stage seconds go to STAGES[dst.name]."""
+    t = time.perf_counter()
+    out = subprocess.run([PY, "-m", "mxfp4conv", "convert", str(src), str(dst), "--to", "ct", "--json", *flags],
+                         check=True, capture_output=True, text=True).stdout
+    wall = time.perf_counter() - t
+    STAGES[dst.name] = {k: round(v, 2) for k, v in json.loads(out).get("seconds", {}).items()}
+    return wall
 
 
 def main() -> None:
@@ -78,7 +87,7 @@ def main() -> None:
     t_ver = run([PY, "-m", "mxfp4conv", "verify", str(src), str(w / "out"), "--device", "cuda", "--json"])
     emit(case="nvfp4 -> mxfp4 end to end, all GPUs", gb=round(size / 1e9, 2), gweights=round(weights / 1e9, 2),
          cp_s=round(t_cp, 2), convert_s=round(t_conv, 2), throughput_vs_cp=round(t_cp / t_conv, 3),
-         gweights_per_s=round(weights / t_conv / 1e9, 3), verify_s=round(t_ver, 2))
+         gweights_per_s=round(weights / t_conv / 1e9, 3), verify_s=round(t_ver, 2), stages=STAGES.get("out"))
     shutil.rmtree(w, ignore_errors=True)
 
 

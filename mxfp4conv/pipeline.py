@@ -145,22 +145,31 @@ def _devices(opts: ConvertOptions) -> list[str]:
     return [opts.device]
 
 
-def _transform(spec: UnitSpec, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext,
-               opts: ConvertOptions, device: str) -> tuple[list[torch.Tensor], dict[str, Any], float, float]:
-    """Read one unit, requantize it if needed, encode it: (tensors, requant stats, read s, transform s)."""
+def _read(spec: UnitSpec, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext) -> tuple[Any, float]:
+    """A unit's source: the byte ranges of a pure rename (never decoded), or its canonical form."""
+    t0 = time.perf_counter()
     slices = direct_slices(spec, ckpt, target, ctx)
-    if slices is not None:  # a pure rename: bytes are copied by the writer, never decoded
-        return slices, {}, 0.0, 0.0  # type: ignore[return-value]
+    if slices is not None:
+        return slices, time.perf_counter() - t0
+    return layout.read(ckpt, spec), time.perf_counter() - t0
+
+
+def _transform(spec: UnitSpec, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext,
+               opts: ConvertOptions, device: str, source: tuple[Any, float] | None = None,
+               ) -> tuple[list[torch.Tensor], dict[str, Any], float, float]:
+    """Read one unit (unless ``source`` holds it already), requantize it if needed, encode it:
+    (tensors, requant stats, read s, transform s)."""
+    unit, t_read = source if source is not None else _read(spec, ckpt, layout, target, ctx)
+    if isinstance(unit, list):  # a pure rename: bytes are copied by the writer
+        return unit, {}, t_read, 0.0
     if device.startswith("cuda"):
         with torch.cuda.device(torch.device(device)):  # kernels launch on the thread's current device
-            return _transform_on(spec, ckpt, layout, target, ctx, opts, device)
-    return _transform_on(spec, ckpt, layout, target, ctx, opts, device)
+            return _transform_on(unit, spec, ckpt, target, ctx, opts, device, t_read)
+    return _transform_on(unit, spec, ckpt, target, ctx, opts, device, t_read)
 
 
-def _transform_on(spec: UnitSpec, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext,
-                  opts: ConvertOptions, device: str) -> tuple[list[torch.Tensor], dict[str, Any], float, float]:
-    t0 = time.perf_counter()
-    unit = layout.read(ckpt, spec)
+def _transform_on(unit: Any, spec: UnitSpec, ckpt: Checkpoint, target: Target, ctx: WriterContext,
+                  opts: ConvertOptions, device: str, t_read: float) -> tuple[list[torch.Tensor], dict[str, Any], float, float]:
     t1 = time.perf_counter()
     stats: dict[str, Any] = {}
     if ctx.options.get("keep_nvfp4") != "1":
@@ -172,7 +181,7 @@ def _transform_on(spec: UnitSpec, ckpt: Checkpoint, layout: Any, target: Target,
                              hint="the checkpoint's scales are corrupt; re-export it") from exc
     _validate_mx(unit, spec, ckpt)
     outs = target.encode(unit, spec, ctx)
-    return outs, stats, t1 - t0, time.perf_counter() - t1
+    return outs, stats, t_read, time.perf_counter() - t1
 
 
 def direct_slices(spec: UnitSpec, ckpt: Checkpoint, target: Target, ctx: WriterContext) -> list[FileSlice] | None:
@@ -197,11 +206,18 @@ def direct_slices(spec: UnitSpec, ckpt: Checkpoint, target: Target, ctx: WriterC
 
 def _unit_results(shard: _ShardPlan, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext,
                   opts: ConvertOptions) -> Iterator[tuple[list[torch.Tensor], dict[str, Any], float, float]]:
-    """Units in plan order. With several devices, one unit per device is in flight (bounded memory)."""
+    """Units in plan order. One device: the next unit is read on a helper thread while this one is
+    transformed (two units in memory at most). Several devices: one unit per device in flight, each
+    read and transformed on its device's thread."""
     devs = _devices(opts)
     if len(devs) == 1:
-        for spec in shard.units:
-            yield _transform(spec, ckpt, layout, target, ctx, opts, devs[0])
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4conv-read") as reader:
+            ahead: Future[tuple[Any, float]] | None = None
+            for i, spec in enumerate(shard.units):
+                source = ahead.result() if ahead is not None else _read(spec, ckpt, layout, target, ctx)
+                ahead = (reader.submit(_read, shard.units[i + 1], ckpt, layout, target, ctx)
+                         if i + 1 < len(shard.units) else None)
+                yield _transform(spec, ckpt, layout, target, ctx, opts, devs[0], source)
         return
     with ThreadPoolExecutor(max_workers=len(devs), thread_name_prefix="mxfp4conv-unit") as pool:
         window: deque[Future[tuple[list[torch.Tensor], dict[str, Any], float, float]]] = deque()
@@ -412,14 +428,14 @@ def _prepare_staging(staging: Path, fingerprint: dict[str, Any], opts: ConvertOp
                                      hint="rerun every partition with the same SRC and options, or delete it")
                 continue
             finished.update(rec.get("shards", {}))
-        if not finished and opts.resume:
-            remove_tree(staging)
+        if not finished and opts.resume and opts.partition is None:  # partitions may run at once: never
+            remove_tree(staging)  # delete a staging folder that another partition is writing into
     elif not resuming:
         remove_tree(staging)
     if opts.finish and not staging.is_dir():
         raise UsageError(f"nothing to finish: no staging folder {staging}",
                          hint="run the --partition i/n conversions first")
-    staging.mkdir(exist_ok=True)
+    staging.mkdir(parents=True, exist_ok=True)  # partitions starting together may race to create it
     return finished
 
 

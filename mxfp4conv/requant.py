@@ -395,10 +395,6 @@ def requant_rows_cpu(
     return out, scales_out, row_stats
 
 
-def _to_device(t: torch.Tensor, device: str) -> torch.Tensor:
-    return t.to(device)
-
-
 GPU_MIN_CHUNK_ROWS = 1 << 17
 
 
@@ -411,8 +407,8 @@ def requant_nvfp4_to_mxfp4(
     """Requantize an NVFP4 weight ``[..., N, K]`` to MXFP4, ``chunk_rows`` rows at a time.
 
     Leading dims and N are flattened into rows; each chunk goes through ``requant_rows_cpu`` or, when
-    ``device`` starts with "cuda", ``mxfp4conv.kernels.requant_triton.requant_rows`` (chunks are moved
-    there and the results back). Raises ``ValueError`` on invalid input. Returns the MXFP4 weight
+    ``device`` starts with "cuda", ``mxfp4conv.kernels.requant_triton.requant_nvfp4_gpu_chunks`` (chunks
+    of at least ``GPU_MIN_CHUNK_ROWS`` rows stream through the device; results in pinned host memory). Raises ``ValueError`` on invalid input. Returns the MXFP4 weight
     (uint8 packed ``[..., N, K/2]``, E8M0 scales ``[..., N, K/32]``, on the CPU) and the statistics.
     """
     if w.quant != "nvfp4" or w.global_rows is None:
@@ -427,6 +423,15 @@ def requant_nvfp4_to_mxfp4(
     problem = validate_nvfp4_scales(w.scales, w.global_rows, divisor=w.global_is_divisor)
     if problem is not None:
         raise ValueError(f"invalid NVFP4 input: {problem}")
+    if device.startswith("cuda"):
+        from mxfp4conv.kernels.requant_triton import requant_nvfp4_gpu_chunks
+
+        # H2D, kernel and D2H of row chunks overlap on three streams; outputs land in pinned memory
+        p, sc, st = requant_nvfp4_gpu_chunks(w.packed.contiguous(), w.scales.contiguous(),
+                                             w.global_rows.float().contiguous(), w.global_is_divisor, rule,
+                                             device=device, chunk_rows=max(chunk_rows, GPU_MIN_CHUNK_ROWS))
+        stats = RequantStats.from_row_stats(st.reshape(-1, st.shape[-1]), k // MX_BLOCK)
+        return FP4Weight("mxfp4", p, sc), stats
     packed = w.packed.reshape(-1, kh)
     scales = w.scales.reshape(-1, k // 16)
     grows = w.global_rows.reshape(-1).float()
@@ -434,21 +439,10 @@ def requant_nvfp4_to_mxfp4(
     out = torch.empty(r, kh, dtype=torch.uint8)
     scales_out = torch.empty(r, k // MX_BLOCK, dtype=torch.uint8)
     stats = RequantStats()
-    use_cuda = device.startswith("cuda")
-    if use_cuda:
-        from mxfp4conv.kernels.requant_triton import requant_rows
-
-        # the kernel runs one thread per row: hand it enough rows to fill the GPU
-        chunk_rows = max(chunk_rows, GPU_MIN_CHUNK_ROWS)
     for r0 in range(0, r, chunk_rows):
         r1 = min(r, r0 + chunk_rows)
-        pc, sc_in, gc = packed[r0:r1], scales[r0:r1], grows[r0:r1]
-        if use_cuda:
-            pc, sc_in, gc = _to_device(pc, device), _to_device(sc_in, device), _to_device(gc, device)
-            p, sc, st = requant_rows(pc, sc_in, gc, w.global_is_divisor, rule)
-        else:
-            p, sc, st = requant_rows_cpu(pc, sc_in, gc, w.global_is_divisor, rule)
-        out[r0:r1], scales_out[r0:r1] = p.cpu(), sc.cpu()
+        p, sc, st = requant_rows_cpu(packed[r0:r1], scales[r0:r1], grows[r0:r1], w.global_is_divisor, rule)
+        out[r0:r1], scales_out[r0:r1] = p, sc
         stats.add_rows(st, k // MX_BLOCK)
     mx = FP4Weight("mxfp4", out.view(*lead, kh), scales_out.view(*lead, k // MX_BLOCK))
     return mx, stats

@@ -255,19 +255,24 @@ def test_cpu_path_never_imports_the_kernel(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_cuda_device_dispatches_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[tuple[int, bool, ScaleRule]] = []
+    """device="cuda:N" hands the whole stack to the chunked GPU driver (same shapes, rows and
+    statistics folded as on the CPU)."""
+    calls: list[tuple[tuple[int, ...], bool, ScaleRule, str, int]] = []
 
-    def fake_requant_rows(p: torch.Tensor, s: torch.Tensor, g: torch.Tensor, divisor: bool, rule: ScaleRule):  # type: ignore[no-untyped-def]
-        calls.append((int(p.shape[0]), divisor, rule))
-        return requant_rows_cpu(p, s, g, divisor, rule)
+    def fake_chunks(p: torch.Tensor, s: torch.Tensor, g: torch.Tensor, divisor: bool, rule: ScaleRule, *,  # type: ignore[no-untyped-def]
+                    device: str, chunk_rows: int):
+        calls.append((tuple(p.shape), divisor, rule, device, chunk_rows))
+        kh = p.shape[-1]
+        out = requant_rows_cpu(p.reshape(-1, kh), s.reshape(-1, 2 * kh // 16), g.reshape(-1), divisor, rule)
+        return (out[0].reshape(*p.shape), out[1].reshape(*p.shape[:-1], 2 * kh // 32),
+                out[2].reshape(*p.shape[:-1], out[2].shape[-1]))
 
     fake = types.ModuleType("mxfp4conv.kernels.requant_triton")
-    fake.requant_rows = fake_requant_rows  # type: ignore[attr-defined]
+    fake.requant_nvfp4_gpu_chunks = fake_chunks  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "mxfp4conv.kernels.requant_triton", fake)
-    monkeypatch.setattr(rq, "_to_device", lambda t, device: t)
-    monkeypatch.setattr(rq, "GPU_MIN_CHUNK_ROWS", 1)  # exercise chunking on tiny data
+    monkeypatch.setattr(rq, "GPU_MIN_CHUNK_ROWS", 1)
     w = nvfp4_weight(2, 8, 64, True, seed=9)
-    mx, st = requant_nvfp4_to_mxfp4(w, ScaleRule.EVEN, device="cuda:0", chunk_rows=5)
-    assert calls == [(5, True, ScaleRule.EVEN)] * 3 + [(1, True, ScaleRule.EVEN)]
+    mx, st = requant_nvfp4_to_mxfp4(w, ScaleRule.EVEN, device="cuda:1", chunk_rows=5)
+    assert calls == [((2, 8, 32), True, ScaleRule.EVEN, "cuda:1", 5)]
     mx_cpu, st_cpu = requant_nvfp4_to_mxfp4(w, ScaleRule.EVEN)
     assert torch.equal(mx.packed, mx_cpu.packed) and st == st_cpu

@@ -30,16 +30,23 @@ class Checkpoint:
     shard_metadata: dict[str, dict[str, str]] = field(default_factory=dict)
     repo_id: str | None = None
     revision: str | None = None
+    _rel: dict[Path, str] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
     def rel(self, path: Path) -> str:
-        try:
-            return str(path.relative_to(self.root))
-        except ValueError:
-            return str(path)
+        """``path`` relative to the checkpoint folder (as given when it lies outside), cached: plans
+        and error messages ask for the same few shard files thousands of times."""
+        got = self._rel.get(path)
+        if got is None:
+            try:
+                got = str(path.relative_to(self.root))
+            except ValueError:
+                got = str(path)
+            self._rel[path] = got
+        return got
 
 
 def resolve_source(src: str, revision: str | None = None) -> tuple[Path, str | None, str | None]:

@@ -156,6 +156,13 @@ class TensorRef:
         self._read_into(memoryview(buf))
         return bytes(buf)
 
+    def read_into(self, out: torch.Tensor) -> None:
+        """Read the tensor's bytes into ``out`` (a contiguous CPU tensor of exactly ``nbytes``)."""
+        if not out.is_contiguous() or out.numel() * out.element_size() != self.nbytes:
+            raise ValueError(f"{self.name}: destination of {out.numel() * out.element_size()} bytes, need {self.nbytes}")
+        if self.nbytes:
+            self._read_into(memoryview(out.view(-1).view(torch.uint8).numpy()).cast("B"))  # type: ignore[arg-type]
+
     def load(self) -> torch.Tensor:
         """Read the tensor (CPU, own memory), with one copy from the page cache into the tensor."""
         dtype = DTYPES[self.dtype][0]

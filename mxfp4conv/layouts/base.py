@@ -142,6 +142,9 @@ def _check_linear(ckpt: Checkpoint, module: str, roles: LinearRoles, problems: l
         problems.append(Problem(packed.name, file, f"packed FP4 weight must be 2-D [N, K/2], got {list(packed.shape)}"))
         return None
     rows, kk = packed.shape[0], packed.shape[1] * 2
+    if packed.dtype not in ("U8", "I8"):
+        problems.append(Problem(packed.name, file, f"packed FP4 weight must be uint8 (two codes per byte), got {packed.dtype}"))
+        return None
     ok = True
     for suffix in roles.partners():
         if f"{module}.{suffix}" not in t:
@@ -286,25 +289,59 @@ def _plan_moe(ckpt: Checkpoint, prefix: str, by_expert: dict[int, dict[str, str]
     return UnitSpec("moe", prefix, tuple(sources), (num, h, i), bool(has_bias), extra_info)
 
 
-def _weight(ckpt: Checkpoint, modules: list[str], roles: LinearRoles) -> FP4Weight:
-    """Stack the given modules' FP4 tensors along a new leading dim (or none for one module)."""
+def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles) -> FP4Weight:
+    """The FP4 tensors of ``groups`` of modules: module e of every group stacked as ``[E, ...]`` and
+    the groups concatenated along the rows (gate then up: w13). Bytes are read straight into the
+    result (no per-module tensors, no stack or cat copies); block scales are checked once, on the
+    whole result, and a NaN is then traced back to its source tensor."""
     t = ckpt.tensors
-    packed = torch.stack([t[f"{m}.{roles.packed}"].load() for m in modules])
-    scales = torch.stack([_checked_scale(ckpt, t[f"{m}.{roles.scale}"], roles) for m in modules])
+    num = len(groups[0])
+    refs = [[t[f"{m}.{roles.packed}"] for m in g] for g in groups]
+    srefs = [[t[f"{m}.{roles.scale}"] for m in g] for g in groups]
+    rows = [r[0].shape[0] for r in refs]
+    packed = _stack_into(ckpt, [r for g in refs for r in g], num, rows)
+    scales = _stack_into(ckpt, [r for g in srefs for r in g], num, rows)
+    if roles.scale_dtype == "F8_E4M3":
+        nan = (scales & 0x7F) == 0x7F  # E4M3 NaN bit patterns
+        if bool(nan.any()):
+            for sg in srefs:
+                for ref in sg:
+                    _checked_scale(ckpt, ref, roles)
+        scales = scales.view(torch.float8_e4m3fn)
     global_rows = None
     if roles.global_scale:
-        g = torch.stack([_checked_global(ckpt, t[f"{m}.{roles.global_scale}"]) for m in modules])
-        global_rows = g[:, None].expand(-1, packed.shape[1]).contiguous()
-    if roles.scale_dtype == "F8_E4M3":
-        scales = scales.view(torch.float8_e4m3fn)
+        parts = []
+        for mods, n in zip(groups, rows, strict=True):
+            gs = torch.stack([_checked_global(ckpt, t[f"{m}.{roles.global_scale}"]) for m in mods])
+            parts.append(gs[:, None].expand(-1, n))
+        global_rows = torch.cat(parts, dim=1).contiguous()
     return FP4Weight(roles.quant, packed, scales, global_rows, roles.global_is_divisor)  # type: ignore[arg-type]
+
+
+def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[int]) -> torch.Tensor:
+    """uint8 ``[num, sum(rows), cols]`` from 2-D one-byte tensors: group j's module e fills rows
+    ``sum(rows[:j]) .. + rows[j]`` of slot e. ``refs`` are group-major (plan checked the shapes)."""
+    first = refs[0]
+    cols = first.shape[1]
+    out = torch.empty((num, sum(rows), cols), dtype=torch.uint8)
+    r0 = 0
+    for j, n in enumerate(rows):
+        for e in range(num):
+            ref = refs[j * num + e]
+            if ref.shape != (n, first.shape[1]) or ref.dtype != first.dtype:
+                raise InputError(f"shape {list(ref.shape)} {ref.dtype} differs from its partners' "
+                                 f"{[n, first.shape[1]]} {first.dtype}", file=ckpt.rel(ref.file), tensor=ref.name,
+                                 hint="the checkpoint is inconsistent; re-export it")
+            ref.read_into(out[e, r0:r0 + n])
+        r0 += n
+    return out
 
 
 def _checked_scale(ckpt: Checkpoint, ref: TensorRef, roles: LinearRoles) -> torch.Tensor:
     """NVFP4 E4M3 block scales must not be NaN (0x7F/0xFF): the error names the source tensor."""
     raw = ref.load()
     if roles.scale_dtype == "F8_E4M3":
-        bad = torch.isnan(raw.view(torch.float8_e4m3fn).float())
+        bad = (raw.view(torch.uint8) & 0x7F) == 0x7F
         if bool(bad.any()):
             at = tuple(int(i) for i in bad.nonzero()[0])
             raise InputError(f"E4M3 block scale is NaN at index {at}", file=ckpt.rel(ref.file), tensor=ref.name,
@@ -322,18 +359,12 @@ def _checked_global(ckpt: Checkpoint, ref: TensorRef) -> torch.Tensor:
     return g
 
 
-def _cat(a: FP4Weight, b: FP4Weight) -> FP4Weight:
-    g = None if a.global_rows is None or b.global_rows is None else torch.cat([a.global_rows, b.global_rows], dim=-1)
-    return FP4Weight(a.quant, torch.cat([a.packed, b.packed], dim=-2), torch.cat([a.scales, b.scales], dim=-2),
-                     g, a.global_is_divisor)
-
-
 def read_split_unit(ckpt: Checkpoint, spec: UnitSpec, roles: LinearRoles) -> Canonical:
     t = ckpt.tensors
     if spec.kind == "passthrough":
         return Passthrough(spec.key, t[spec.key].load())
     if spec.kind == "dense":
-        w = _weight(ckpt, [spec.key], roles)
+        w = _weight(ckpt, [[spec.key]], roles)
         one = FP4Weight(w.quant, w.packed[0], w.scales[0], None if w.global_rows is None else w.global_rows[0],
                         w.global_is_divisor)
         bias = t[f"{spec.key}.bias"].load() if spec.has_bias else None
@@ -341,9 +372,10 @@ def read_split_unit(ckpt: Checkpoint, spec: UnitSpec, roles: LinearRoles) -> Can
     num = spec.dims[0]
     names = spec.extra
     mods = {r: [f"{spec.key}.{e}.{names[r]}" for e in range(num)] for r in ("gate", "up", "down")}
-    gate, up, down = (_weight(ckpt, mods[r], roles) for r in ("gate", "up", "down"))
+    w13 = _weight(ckpt, [mods["gate"], mods["up"]], roles)  # gate rows, then up rows
+    down = _weight(ckpt, [mods["down"]], roles)
     w13_bias = w2_bias = None
     if spec.has_bias:
         w13_bias = torch.cat([torch.stack([t[f"{m}.bias"].load() for m in mods[r]]) for r in ("gate", "up")], dim=-1)
         w2_bias = torch.stack([t[f"{m}.bias"].load() for m in mods["down"]])
-    return MoELayer(spec.key, _cat(gate, up), down, w13_bias, w2_bias)
+    return MoELayer(spec.key, w13, down, w13_bias, w2_bias)

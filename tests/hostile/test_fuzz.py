@@ -290,6 +290,9 @@ class FakeRef(TensorRef):
         raw = torch.tensor(list(self.read_bytes()), dtype=torch.uint8)
         return raw.view(self.torch_dtype).reshape(self.shape)
 
+    def read_into(self, out: torch.Tensor) -> None:
+        out.view(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(self.read_bytes()), dtype=torch.uint8))
+
 
 _SPLIT = {  # layout -> (packed, scale, scale dtype, group, partners {suffix: (dtype, shape fn)})
     "ct-mxfp4": ("weight_packed", "weight_scale", "U8", 32, {}),
