@@ -23,8 +23,8 @@ import torch
 
 __all__ = [
     "KernelConfig",
-    "default_config",
     "auto_num_warps",
+    "default_config",
     "requant_nvfp4_gpu_chunks",
     "requant_rows",
     "requant_rows_into",
