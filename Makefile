@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: this machine's disk holds the CPU build of 2.13.0; a looser pin pulls a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,ray]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from mxfp4conv import __version__
@@ -35,7 +36,7 @@ def _fail(exc: BaseException, debug: bool) -> NoReturn:
     if debug:
         traceback.print_exc()
     if isinstance(exc, ConvertError):
-        _err.print(f"[bold red]error:[/] {_safe(exc.one_line())}", markup=True)
+        _err.print(f"[bold red]error:[/] {escape(_safe(exc.one_line()))}", markup=True)  # hints hold [brackets]
         sys.exit(exc.exit_code)
     _err.print(f"[bold red]internal error:[/] {_safe(type(exc).__name__)}: {_safe(exc)} "
                "(a bug in mxfp4conv; rerun with --debug and report it)", markup=True)
@@ -46,6 +47,8 @@ def _run(debug: bool, fn: Callable[[], int]) -> NoReturn:
     debug = debug or os.environ.get("MXFP4CONV_DEBUG") == "1"
     try:
         code = fn()
+    except click.ClickException:  # a bad option value found while running: click's usage error (exit 2)
+        raise
     except (ConvertError, Exception) as exc:
         _fail(exc, debug)
     sys.exit(code)
@@ -149,12 +152,15 @@ def _render_inspect(doc: dict[str, Any]) -> None:
 @click.option("--partition", default=None, metavar="I/N", help="Write only shards j with j % N == I into the staging folder.")
 @click.option("--finish", is_flag=True, help="Verify and publish once every --partition has finished.")
 @click.option("--skip-if-current", is_flag=True, help="Do nothing if DST's manifest matches this input and these options.")
+@click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
+              help="Run work units as Ray tasks on the cluster at ADDRESS (HOST:PORT); input and output must be on "
+                   "a filesystem every node sees. Needs mxfp4conv[ray].")
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as one JSON document on stdout.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, devices: str | None, max_shard_size: str, tp_size: int,
                 engine: str, marlin_act: str, keep_nvfp4: bool, revision: str | None, overwrite: bool, dry_run: bool, no_verify: bool,
-                resume: bool, partition: str | None, finish: bool, skip_if_current: bool, as_json: bool,
-                debug: bool) -> None:
+                resume: bool, partition: str | None, finish: bool, skip_if_current: bool, ray_address: str | None,
+                as_json: bool, debug: bool) -> None:
     """Convert SRC (folder or HF repo id) into DST; verified before it appears.
 
     \b
@@ -165,10 +171,17 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
       mxfp4conv convert ./src ./out --dry-run
       mxfp4conv convert ./src ./out --partition 0/4   # on 4 machines sharing a filesystem, then:
       mxfp4conv convert ./src ./out --finish
+      mxfp4conv convert ./src ./out --ray 10.0.0.1:6379   # on a Ray cluster sharing a filesystem
     """
-    from mxfp4conv.pipeline import ConvertOptions, convert
+    from mxfp4conv.pipeline import ConvertOptions, ConvertReport, convert
 
     def run() -> int:
+        if ray_address is not None:
+            clash = [f for f, on in (("--partition", partition is not None), ("--finish", finish),
+                                     ("--dry-run", dry_run), ("--devices", devices is not None)) if on]
+            if clash:
+                raise click.UsageError(f"--ray cannot be combined with {', '.join(clash)} "
+                                       "(--ray plans the partitions and devices itself)")
         extra = {"tp_size": str(tp_size), "engine": engine}
         if marlin_act != "bf16":
             extra["marlin_act"] = marlin_act
@@ -180,8 +193,14 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
                               resume=resume, partition=_partition(partition), finish=finish,
                               devices=_device_list(devices))
         progress = None if as_json or not sys.stderr.isatty() else _progress_bar()
+        report: ConvertReport
         try:
-            report = convert(src, dst, opts, on_progress=progress)
+            if ray_address is not None:
+                from mxfp4conv.ray_runner import convert_on_ray
+
+                report = convert_on_ray(src, dst, opts, ray_address, on_progress=progress)
+            else:
+                report = convert(src, dst, opts, on_progress=progress)
         finally:
             if progress:
                 progress(-1, -1)
@@ -257,6 +276,9 @@ def _render_convert(doc: dict[str, Any]) -> None:
     for name, st in sorted(doc["requant_stats"].items())[:20]:
         sq = st.get("sqnr_db")
         _err.print(f"  {_safe(name)}: SQNR {sq if sq is None else round(sq, 2)} dB, clipped {st.get('clipped_share', 0):.3%}")
+    if doc.get("ray"):
+        r = doc["ray"]
+        _err.print(f"Ray: {r['tasks']} task(s) on {r['nodes']} node(s) of {_safe(r['address'])} (one {r['resource']} each)", markup=False)
     if doc["status"] == "converted":
         v = doc.get("verify")
         _err.print(f"[green]done:[/] {_safe(doc['destination'])} ({doc['bytes_written']:,} bytes, "

@@ -1,0 +1,174 @@
+"""``convert --ray ADDRESS`` on a real local Ray cluster: a head on 127.0.0.1 with two CPU slots.
+
+Ray is part of the test install (``make test`` installs ``.[test,ray]``): a missing ``ray`` fails here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray  # noqa: F401 - the test install must have it (no skip)
+from click.testing import CliRunner
+from tiny import build
+
+from mxfp4conv.cli import cli
+
+RAY_CLI = Path(sys.executable).with_name("ray")
+SHARD = "30KB"  # 5 output shards for the tiny builders
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def local(*args: str) -> tuple[int, str, str]:
+    res = CliRunner().invoke(cli, list(args))
+    return res.exit_code, res.stdout, res.stderr
+
+
+def real_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mxfp4conv", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ray_address() -> Iterator[str]:
+    """`ray start --head --block` in its own process group; the finalizer ends that group only.
+
+    (`ray stop` would stop every Ray process of this machine, not just ours.) The temp dir is short:
+    Ray's unix sockets live under it and socket paths are limited to ~107 bytes.
+    """
+    temp = tempfile.mkdtemp(prefix="r", dir="/tmp")
+    port = _free_port()
+    cmd = [str(RAY_CLI), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+           "--num-cpus", "2", "--num-gpus", "0", "--include-dashboard", "false", "--disable-usage-stats",
+           "--temp-dir", temp, "--object-store-memory", str(100 * 1000**2),
+           "--dashboard-agent-listen-port", str(_free_port()), "--log-style", "record"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def drain() -> None:  # keep reading so the head never blocks on a full pipe
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ray runtime started" in line:
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        ready.wait(90)
+        assert proc.poll() is None and any("Ray runtime started" in ln for ln in lines), "".join(lines)[-3000:]
+        yield f"127.0.0.1:{port}"
+    finally:
+        for sig, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):  # a throwaway cluster: no long grace
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                try:
+                    os.killpg(proc.pid, 0)
+                except ProcessLookupError:
+                    break
+                proc.poll()  # reap the group leader so the group can disappear
+                time.sleep(0.2)
+        proc.wait(timeout=10)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def srcs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("src")
+    return {layout: build(layout, root / layout, shards=3) for layout in ("ct-mxfp4", "modelopt-nvfp4")}
+
+
+@pytest.mark.parametrize("layout", ["ct-mxfp4", "modelopt-nvfp4"])
+def test_ray_output_is_byte_identical_to_a_local_run(ray_address: str, srcs: dict[str, Path], tmp_path: Path,
+                                                     layout: str) -> None:
+    """Copy path (MXFP4 -> ct) and requantization path (NVFP4 -> MXFP4 ct): same bytes, manifest included."""
+    args = ["--to", "ct", "--max-shard-size", SHARD, "--device", "cpu"]
+    code, _, err = local("convert", str(srcs[layout]), str(tmp_path / "local"), *args)
+    assert code == 0, err
+    res = real_cli("convert", str(srcs[layout]), str(tmp_path / "ray"), *args, "--ray", ray_address, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["status"] == "converted" and doc["verify"]["ok"]
+    assert len(doc["shards"]) >= 3
+    assert doc["ray"] == {"address": ray_address, "tasks": 2, "nodes": 1, "resource": "CPU"}
+    # the manifest is compared too: --ray is not a fingerprinted option, so it is the same file
+    assert tree_hashes(tmp_path / "ray") == tree_hashes(tmp_path / "local")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local", "ray"]  # no staging folder left
+
+
+def _poison_scale(src: Path, tmp_path: Path) -> tuple[Path, str]:
+    """A copy of SRC with one E8M0 scale byte set to 0xFF: found only when that unit is converted."""
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    wmap = json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"]
+    name = next(n for n in sorted(wmap) if n.startswith("model.layers.1.") and n.endswith("weight_scale"))
+    shard = bad / wmap[name]
+    raw = bytearray(shard.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    begin, _ = json.loads(raw[8:8 + n])[name]["data_offsets"]
+    raw[8 + n + begin] = 0xFF
+    shard.write_bytes(bytes(raw))
+    return bad, name
+
+
+def test_a_failing_task_fails_like_a_local_run(ray_address: str, srcs: dict[str, Path], tmp_path: Path) -> None:
+    bad, name = _poison_scale(srcs["ct-mxfp4"], tmp_path)
+    args = [str(bad), "--to", "ct", "--max-shard-size", SHARD, "--device", "cpu"]
+    code, _, err_local = local("convert", args[0], str(tmp_path / "local"), *args[1:])
+    assert code == 1 and name in err_local
+    res = real_cli("convert", args[0], str(tmp_path / "ray"), *args[1:], "--ray", ray_address)
+    assert res.returncode == code, res.stderr
+    assert "Traceback" not in res.stderr
+    assert err_local.strip() in res.stderr.splitlines()  # the task's own one-line error, not a Ray wrapper
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]  # no DST, no staging folder
+
+
+def test_unreachable_address_is_one_line_and_writes_nothing(srcs: dict[str, Path], tmp_path: Path) -> None:
+    res = real_cli("convert", str(srcs["ct-mxfp4"]), str(tmp_path / "o"), "--device", "cpu",
+                   "--ray", f"127.0.0.1:{_free_port()}")
+    assert res.returncode == 1, res.stderr
+    assert "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot reach the Ray cluster at 127.0.0.1:"), res.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("extra", [["--partition", "0/2"], ["--finish"], ["--dry-run"], ["--devices", "0"]])
+def test_ray_refuses_options_it_plans_itself(srcs: dict[str, Path], tmp_path: Path, extra: list[str]) -> None:
+    code, _, err = local("convert", str(srcs["ct-mxfp4"]), str(tmp_path / "o"), "--ray", "127.0.0.1:1", *extra)
+    assert code == 2 and f"--ray cannot be combined with {extra[0]}" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_ray_names_the_extra(srcs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
+    code, _, err = local("convert", str(srcs["ct-mxfp4"]), str(tmp_path / "o"), "--ray", "127.0.0.1:1")
+    assert code == 1
+    assert "pip install 'mxfp4conv[ray]'" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
