@@ -32,14 +32,18 @@ from gen_checkpoint import generate  # noqa: E402
 PY = sys.executable
 
 
+LAST_STDOUT: list[str] = [""]
+
+
 def timed(cmd: list[str]) -> tuple[float, int]:
-    """(wall seconds, peak RSS KiB) of a command run in a child process."""
+    """(wall seconds, peak RSS KiB) of a command run in a child process (its stdout: LAST_STDOUT[0])."""
     wrapper = [PY, "-c", "import resource,subprocess,sys,json,time;t=time.perf_counter();"
-               "r=subprocess.run(sys.argv[1:]);"
+               "r=subprocess.run(sys.argv[1:],stdout=open('/tmp/mxfp4conv-bench-stdout','w'));"
                "print(json.dumps([time.perf_counter()-t,resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,r.returncode]))",
                *cmd]
     out = subprocess.run(wrapper, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
     secs, rss, rc = json.loads(out)
+    LAST_STDOUT[0] = Path("/tmp/mxfp4conv-bench-stdout").read_text()
     if rc != 0:
         raise SystemExit(f"command failed ({rc}): {' '.join(cmd)}")
     return secs, rss
@@ -81,12 +85,16 @@ def bench_lossless(work: Path, layout: str, target: str, layers: int) -> None:
     t_sync, _ = timed(["sync"])
     shutil.rmtree(work / "cp")
     t_conv, rss = timed([PY, "-m", "mxfp4conv", "convert", str(src), str(work / "out"), "--to", target, "--no-verify", "--json"])
+    stages = {k: round(v, 2) for k, v in json.loads(LAST_STDOUT[0]).get("seconds", {}).items()}
     t_ver, _ = timed([PY, "-m", "mxfp4conv", "verify", str(src), str(work / "out"), "--json"])
     shutil.rmtree(work / "out")
     emit(f"lossless {layout} -> {target}", gb=round(gb, 2), cp_s=round(t_cp + t_sync, 2),
          convert_s=round(t_conv, 2), ratio_vs_cp=round(t_conv / (t_cp + t_sync), 2),
          verify_s=round(t_ver, 2), ratio_with_verify=round((t_conv + t_ver) / (t_cp + t_sync), 2),
-         peak_rss_mib=rss // 1024, note="cp timed with a following sync (convert fsyncs every shard)")
+         peak_rss_mib=rss // 1024, in_process_s=stages.get("total"),
+         in_process_ratio_vs_cp=round(stages.get("total", 0.0) / (t_cp + t_sync), 2), stages=stages,
+         note="cp timed with a following sync (convert fsyncs every shard); in_process: convert's own clock "
+              "(without Python + torch start-up)")
     if drop_caches():
         t_cp_c, _ = timed(["cp", "-r", str(src), str(work / "cp")])
         t_sync, _ = timed(["sync"])

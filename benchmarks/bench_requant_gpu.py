@@ -33,6 +33,7 @@ import torch
 
 from mxfp4conv.kernels.requant_triton import (
     KernelConfig,
+    default_config,
     requant_nvfp4_gpu_chunks,
     requant_rows_into,
 )
@@ -113,30 +114,35 @@ def _outs(r: int, k: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor
             torch.empty((r, 5), dtype=torch.float64, device=dev))
 
 
-def bench_configs(r: int, k: int, dev: torch.device, base: dict[str, Any], out: str | None) -> KernelConfig:
-    """Time the launch shapes (EVEN, multiplier); return the fastest."""
+def bench_configs(r: int, k: int, dev: torch.device, base: dict[str, Any], out: str | None) -> dict[str, KernelConfig]:
+    """Time the launch shapes (multiplier) for EVEN (the single-candidate rules) and MSE; the best per rule."""
     slab, outs = make_slab(r, k, False, dev), _outs(r, k, dev)
-    best: tuple[float, KernelConfig] = (float("inf"), KernelConfig())
-    for nw, cb, pf in ((8, 1, False), (8, 2, False), (8, 4, False), (4, 4, False), (8, 1, True), (8, 2, True),
-                       (8, 4, True), (4, 2, True), (4, 4, True)):
-        cfg = KernelConfig(num_warps=nw, blocks_per_iter=cb, prefetch=pf)
-        ms, _, _ = bench_ms(lambda cfg=cfg: requant_rows_into(*slab, False, "even", *outs, config=cfg), 300)
-        emit({**base, "case": "kernel_config", "rule": "even", "num_warps": nw, "blocks_per_iter": cb,
-              "prefetch": pf, "ms": round(ms, 4), "Gweights_s": round(r * k / ms / 1e6, 1)}, out)
-        if ms < best[0]:
-            best = (ms, cfg)
-    return best[1]
+    best: dict[str, KernelConfig] = {}
+    for rule in ("even", "mse"):
+        top: tuple[float, KernelConfig] = (float("inf"), KernelConfig())
+        for nw, cb, pf in ((8, 1, False), (8, 2, False), (8, 4, False), (4, 4, False), (8, 1, True), (8, 2, True),
+                           (8, 4, True), (4, 2, True), (4, 4, True)):
+            cfg = KernelConfig(num_warps=nw, blocks_per_iter=cb, prefetch=pf)
+            ms, _, _ = bench_ms(lambda cfg=cfg, rule=rule: requant_rows_into(*slab, False, rule, *outs, config=cfg), 300)
+            emit({**base, "case": "kernel_config", "rule": rule, "num_warps": nw, "blocks_per_iter": cb,
+                  "prefetch": pf, "ms": round(ms, 4), "Gweights_s": round(r * k / ms / 1e6, 1)}, out)
+            if ms < top[0]:
+                top = (ms, cfg)
+        best[rule] = top[1]
+    return best
 
 
-def bench_kernel(r: int, k: int, dev: torch.device, cfg: KernelConfig, roof: float, base: dict[str, Any],
+def bench_kernel(r: int, k: int, dev: torch.device, cfgs: dict[str, KernelConfig], roof: float, base: dict[str, Any],
                  out: str | None) -> dict[tuple[str, bool], float]:
-    """The fused kernel per rule and convention on the resident slab; returns ms per case."""
+    """The fused kernel per rule and convention on the resident slab (each rule at its best launch:
+    MSE's own, EVEN's for the others); returns ms per case."""
     outs = _outs(r, k, dev)
     kernel_ms: dict[tuple[str, bool], float] = {}
     for divisor in (False, True):
         slab = make_slab(r, k, divisor, dev)
         for rule in ("floor", "even", "rceil", "mse"):
-            ms, lo, hi = bench_ms(lambda rule=rule, divisor=divisor, slab=slab: requant_rows_into(
+            cfg = cfgs.get(rule, cfgs["even"])
+            ms, lo, hi = bench_ms(lambda rule=rule, divisor=divisor, slab=slab, cfg=cfg: requant_rows_into(
                 *slab, divisor, rule, *outs, config=cfg))
             kernel_ms[(rule, divisor)] = ms
             gw = r * k / ms / 1e6
@@ -147,6 +153,7 @@ def bench_kernel(r: int, k: int, dev: torch.device, cfg: KernelConfig, roof: flo
                   "Gweights_s": round(gw, 1), "HBM_GBps": round(gw * BYTES_PER_WEIGHT, 1),
                   "of_roofline": round(gw / roof, 3)}, out)
     # Diagnostic: the divisor convention through PTX div.rn.f32 instead of Markstein's correction.
+    cfg = cfgs["even"]
     slab = make_slab(r, k, True, dev)
     plain = KernelConfig(cfg.num_warps, cfg.blocks_per_iter, fast_div=False, prefetch=cfg.prefetch)
     ms, _, _ = bench_ms(lambda: requant_rows_into(*slab, True, "even", *outs, config=plain))
@@ -156,7 +163,7 @@ def bench_kernel(r: int, k: int, dev: torch.device, cfg: KernelConfig, roof: flo
     # Diagnostic: the same kernel without the float64 statistics (not a contract mode).
     slab = make_slab(r, k, False, dev)
     for rule in ("even", "mse"):
-        ms, _, _ = bench_ms(lambda rule=rule: requant_rows_into(*slab, False, rule, *outs, config=cfg, stats=False))
+        ms, _, _ = bench_ms(lambda rule=rule: requant_rows_into(*slab, False, rule, *outs, config=cfgs[rule], stats=False))
         emit({**base, "case": "kernel_nostats_diagnostic", "rule": rule, "convention": "modelopt",
               "shape": [r, k], "ms": round(ms, 4), "Gweights_s": round(r * k / ms / 1e6, 1),
               "stats_cost": round(kernel_ms[(rule, False)] / ms, 2)}, out)
@@ -218,7 +225,7 @@ def bench_e2e(e_: int, n_: int, h_: int, dev: torch.device, cfg: KernelConfig, b
         for _ in range(4):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            requant_nvfp4_gpu_chunks(hp, hs.view(torch.float8_e4m3fn), hg, False, rule, out=res, config=cfg)
+            requant_nvfp4_gpu_chunks(hp, hs.view(torch.float8_e4m3fn), hg, False, rule, out=res, config=None)
             times.append(time.perf_counter() - t0)
         t = sorted(times)[len(times) // 2]
         emit({**base, "case": "e2e_layer", "rule": rule, "layer": [e_, n_, h_], "weights": w,
@@ -258,9 +265,11 @@ def main() -> None:
     h2d, d2h = bench_pcie(dev)
     emit({**base, "case": "pcie", "h2d_pinned_GBps": round(h2d, 1), "d2h_pinned_GBps": round(d2h, 1)}, args.out)
 
-    cfg = KernelConfig() if args.skip_configs else bench_configs(r, k, dev, base, args.out)
+    cfgs = ({"even": default_config("even"), "mse": default_config("mse")} if args.skip_configs
+            else bench_configs(r, k, dev, base, args.out))
+    cfg = cfgs["even"]
     torch.cuda.empty_cache()
-    kernel_ms = bench_kernel(r, k, dev, cfg, roof, base, args.out)
+    kernel_ms = bench_kernel(r, k, dev, cfgs, roof, base, args.out)
     torch.cuda.empty_cache()
     bench_torch(r, k, dev, cfg, kernel_ms[("even", False)], base, args.out,
                 eager=not args.skip_eager, compiled=not args.skip_compile)

@@ -145,13 +145,17 @@ def _devices(opts: ConvertOptions) -> list[str]:
     return [opts.device]
 
 
-def _read(spec: UnitSpec, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext) -> tuple[Any, float]:
-    """A unit's source: the byte ranges of a pure rename (never decoded), or its canonical form."""
+def _read(spec: UnitSpec, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext,
+          device: str = "cpu") -> tuple[Any, float]:
+    """A unit's source: the byte ranges of a pure rename (never decoded), or its canonical form
+    (NVFP4 stacks bound for a GPU requant are read into page-locked memory)."""
     t0 = time.perf_counter()
     slices = direct_slices(spec, ckpt, target, ctx)
     if slices is not None:
         return slices, time.perf_counter() - t0
-    return layout.read(ckpt, spec), time.perf_counter() - t0
+    pin = (device.startswith("cuda") and ctx.facts.source_quant == "nvfp4" and ctx.options.get("keep_nvfp4") != "1"
+           and torch.cuda.is_available())
+    return layout.read(ckpt, spec, pin=pin), time.perf_counter() - t0
 
 
 def _transform(spec: UnitSpec, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext,
@@ -159,7 +163,7 @@ def _transform(spec: UnitSpec, ckpt: Checkpoint, layout: Any, target: Target, ct
                ) -> tuple[list[torch.Tensor], dict[str, Any], float, float]:
     """Read one unit (unless ``source`` holds it already), requantize it if needed, encode it:
     (tensors, requant stats, read s, transform s)."""
-    unit, t_read = source if source is not None else _read(spec, ckpt, layout, target, ctx)
+    unit, t_read = source if source is not None else _read(spec, ckpt, layout, target, ctx, device)
     if isinstance(unit, list):  # a pure rename: bytes are copied by the writer
         return unit, {}, t_read, 0.0
     if device.startswith("cuda"):
@@ -214,8 +218,8 @@ def _unit_results(shard: _ShardPlan, ckpt: Checkpoint, layout: Any, target: Targ
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4conv-read") as reader:
             ahead: Future[tuple[Any, float]] | None = None
             for i, spec in enumerate(shard.units):
-                source = ahead.result() if ahead is not None else _read(spec, ckpt, layout, target, ctx)
-                ahead = (reader.submit(_read, shard.units[i + 1], ckpt, layout, target, ctx)
+                source = ahead.result() if ahead is not None else _read(spec, ckpt, layout, target, ctx, devs[0])
+                ahead = (reader.submit(_read, shard.units[i + 1], ckpt, layout, target, ctx, devs[0])
                          if i + 1 < len(shard.units) else None)
                 yield _transform(spec, ckpt, layout, target, ctx, opts, devs[0], source)
         return

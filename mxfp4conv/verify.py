@@ -165,7 +165,8 @@ def verify_output(src: str | Path, dst: str | Path, *, manifest_opts: Any = None
                         report.mismatches.append({"tensor": o.name, "message": f"bytes differ from the source, "
                                                   f"first at byte {at}"})
                 continue
-            want = layout.read(ckpt, spec)
+            requant = ctx.options.get("keep_nvfp4") != "1" and ctx.facts.source_quant == "nvfp4"
+            want = layout.read(ckpt, spec, pin=requant and opts.device.startswith("cuda") and torch.cuda.is_available())
             if ctx.options.get("keep_nvfp4") != "1":
                 want, _ = to_mxfp4(want, rule=opts.scale_rule, device=opts.device)
             want = target.slice_for_rank(want, spec, rctx)

@@ -10,6 +10,7 @@ file produces an ``InputError`` naming the file and tensor, never a crash or a h
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import itertools
 import json
@@ -17,6 +18,7 @@ import math
 import os
 import queue
 import stat
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -115,6 +117,34 @@ COPY_CHUNK = 16 << 20
 # "readwrite": pread into a reused buffer, hash, write; "copy_file_range": kernel-side copy, then a
 # pread of the same range (page cache) for the hash. Measured in BENCHMARKS.md.
 COPY_MODE = os.environ.get("MXFP4CONV_COPY", "readwrite")
+WRITEBACK_CHUNK = 64 << 20  # start the disk writeback of every 64 MiB written (see _Writeback)
+
+
+class _Writeback:
+    """Starts the kernel's asynchronous writeback of each freshly written range (Linux
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so the disk flushes while we keep producing and the
+    fsync at publish finds little left; without it a shard smaller than the dirty-page threshold is
+    flushed only by that fsync, after all the work (measured: ~2x a ``cp && sync``). No-op elsewhere."""
+
+    _fn: Any = None
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._done = 0
+        self._pos = 0
+        if _Writeback._fn is None:
+            _Writeback._fn = False
+            if sys.platform.startswith("linux"):
+                with contextlib.suppress(OSError, AttributeError):
+                    fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+                    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+                    _Writeback._fn = fn
+
+    def advance(self, n: int) -> None:
+        self._pos += n
+        if self._fn and self._pos - self._done >= WRITEBACK_CHUNK:
+            self._fn(self._fd, self._done, self._pos - self._done, 2)  # SYNC_FILE_RANGE_WRITE; best effort
+            self._done = self._pos
 
 
 @dataclass(frozen=True)
@@ -299,6 +329,9 @@ class _BackgroundWriter:
                               hint="check the destination folder's permissions and free space") from exc
         self._path = path
         self._digest = hashlib.sha256()
+        self._wb = _Writeback(self._fh.fileno())
+        self._wbuf: memoryview | None = None  # copy buffer of the writer thread
+        self._hbuf: memoryview | None = None  # read buffer of the hasher thread
         self._wq: queue.Queue[list[Any] | None] = queue.Queue()
         self._hq: queue.Queue[list[Any] | None] = queue.Queue()
         self._cond = threading.Condition()
@@ -338,7 +371,7 @@ class _BackgroundWriter:
         if not isinstance(raw, FileSlice):
             self._digest.update(raw)
             return
-        buf = memoryview(bytearray(min(COPY_CHUNK, raw.length)))
+        buf = self._hbuf = self._hbuf or memoryview(bytearray(COPY_CHUNK))  # reused: no per-tensor allocation
         fd = os.open(raw.file, os.O_RDONLY)
         try:
             pos, left = raw.begin, raw.length
@@ -359,6 +392,7 @@ class _BackgroundWriter:
             if not n:
                 raise OSError(28, "No space left on device")
             view = view[n:]
+            self._wb.advance(n)
 
     def _copy(self, src: FileSlice) -> None:
         fd = os.open(src.file, os.O_RDONLY)
@@ -371,8 +405,9 @@ class _BackgroundWriter:
                         raise OSError(5, "copy_file_range made no progress")
                     pos += got
                     left -= got
+                    self._wb.advance(got)
                 return
-            buf = memoryview(bytearray(min(COPY_CHUNK, src.length)))
+            buf = self._wbuf = self._wbuf or memoryview(bytearray(COPY_CHUNK))
             while left:
                 n = min(left, COPY_CHUNK)
                 got = os.preadv(fd, [buf[:n]], pos)

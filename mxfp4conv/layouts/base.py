@@ -59,7 +59,7 @@ class Layout(Protocol):
     def plan(self, ckpt: Checkpoint) -> Plan:
         """Facts, units and problems, from headers alone."""
 
-    def read(self, ckpt: Checkpoint, spec: UnitSpec) -> Canonical:
+    def read(self, ckpt: Checkpoint, spec: UnitSpec, *, pin: bool = False) -> Canonical:
         """Load one unit into the canonical model."""
 
 
@@ -289,18 +289,19 @@ def _plan_moe(ckpt: Checkpoint, prefix: str, by_expert: dict[int, dict[str, str]
     return UnitSpec("moe", prefix, tuple(sources), (num, h, i), bool(has_bias), extra_info)
 
 
-def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles) -> FP4Weight:
+def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, pin: bool = False) -> FP4Weight:
     """The FP4 tensors of ``groups`` of modules: module e of every group stacked as ``[E, ...]`` and
     the groups concatenated along the rows (gate then up: w13). Bytes are read straight into the
     result (no per-module tensors, no stack or cat copies); block scales are checked once, on the
-    whole result, and a NaN is then traced back to its source tensor."""
+    whole result, and a NaN is then traced back to its source tensor. ``pin``: page-locked buffers
+    (torch's caching host allocator reuses them unit after unit: no page faults, direct DMA)."""
     t = ckpt.tensors
     num = len(groups[0])
     refs = [[t[f"{m}.{roles.packed}"] for m in g] for g in groups]
     srefs = [[t[f"{m}.{roles.scale}"] for m in g] for g in groups]
     rows = [r[0].shape[0] for r in refs]
-    packed = _stack_into(ckpt, [r for g in refs for r in g], num, rows)
-    scales = _stack_into(ckpt, [r for g in srefs for r in g], num, rows)
+    packed = _stack_into(ckpt, [r for g in refs for r in g], num, rows, pin)
+    scales = _stack_into(ckpt, [r for g in srefs for r in g], num, rows, pin)
     if roles.scale_dtype == "F8_E4M3":
         nan = (scales & 0x7F) == 0x7F  # E4M3 NaN bit patterns
         if bool(nan.any()):
@@ -318,12 +319,12 @@ def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles) -> FP
     return FP4Weight(roles.quant, packed, scales, global_rows, roles.global_is_divisor)  # type: ignore[arg-type]
 
 
-def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[int]) -> torch.Tensor:
+def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[int], pin: bool) -> torch.Tensor:
     """uint8 ``[num, sum(rows), cols]`` from 2-D one-byte tensors: group j's module e fills rows
     ``sum(rows[:j]) .. + rows[j]`` of slot e. ``refs`` are group-major (plan checked the shapes)."""
     first = refs[0]
     cols = first.shape[1]
-    out = torch.empty((num, sum(rows), cols), dtype=torch.uint8)
+    out = torch.empty((num, sum(rows), cols), dtype=torch.uint8, pin_memory=pin)
     r0 = 0
     for j, n in enumerate(rows):
         for e in range(num):
@@ -359,12 +360,13 @@ def _checked_global(ckpt: Checkpoint, ref: TensorRef) -> torch.Tensor:
     return g
 
 
-def read_split_unit(ckpt: Checkpoint, spec: UnitSpec, roles: LinearRoles) -> Canonical:
+def read_split_unit(ckpt: Checkpoint, spec: UnitSpec, roles: LinearRoles, *, pin: bool = False) -> Canonical:
+    """One unit's tensors in canonical form; ``pin``: the FP4 stacks in page-locked memory (they go to a GPU)."""
     t = ckpt.tensors
     if spec.kind == "passthrough":
         return Passthrough(spec.key, t[spec.key].load())
     if spec.kind == "dense":
-        w = _weight(ckpt, [[spec.key]], roles)
+        w = _weight(ckpt, [[spec.key]], roles, pin)
         one = FP4Weight(w.quant, w.packed[0], w.scales[0], None if w.global_rows is None else w.global_rows[0],
                         w.global_is_divisor)
         bias = t[f"{spec.key}.bias"].load() if spec.has_bias else None
@@ -372,8 +374,8 @@ def read_split_unit(ckpt: Checkpoint, spec: UnitSpec, roles: LinearRoles) -> Can
     num = spec.dims[0]
     names = spec.extra
     mods = {r: [f"{spec.key}.{e}.{names[r]}" for e in range(num)] for r in ("gate", "up", "down")}
-    w13 = _weight(ckpt, [mods["gate"], mods["up"]], roles)  # gate rows, then up rows
-    down = _weight(ckpt, [mods["down"]], roles)
+    w13 = _weight(ckpt, [mods["gate"], mods["up"]], roles, pin)  # gate rows, then up rows
+    down = _weight(ckpt, [mods["down"]], roles, pin)
     w13_bias = w2_bias = None
     if spec.has_bias:
         w13_bias = torch.cat([torch.stack([t[f"{m}.bias"].load() for m in mods[r]]) for r in ("gate", "up")], dim=-1)

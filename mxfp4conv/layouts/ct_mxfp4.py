@@ -64,7 +64,7 @@ def plan(ckpt: Checkpoint) -> Plan:
     return ct_common.finish_plan(ckpt, p)
 
 
-def read(ckpt: Checkpoint, spec: UnitSpec) -> Canonical:
+def read(ckpt: Checkpoint, spec: UnitSpec, *, pin: bool = False) -> Canonical:
     if spec.kind == "moe" and spec.extra.get("fused"):
         t = ckpt.tensors
         gu, gus, dn, dns = (t[f"{spec.key}.{s}"].load() for s in _FUSED)
@@ -72,4 +72,4 @@ def read(ckpt: Checkpoint, spec: UnitSpec) -> Canonical:
         b2 = t[f"{spec.key}.down_proj_bias"].load() if spec.has_bias else None
         return MoELayer(spec.key, FP4Weight("mxfp4", gu, gus), FP4Weight("mxfp4", dn, dns), b13, b2)
     _ = torch  # torch is used by the shared reader
-    return read_split_unit(ckpt, spec, ROLES)
+    return read_split_unit(ckpt, spec, ROLES, pin=pin)

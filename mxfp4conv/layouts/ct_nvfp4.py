@@ -29,5 +29,5 @@ def plan(ckpt: Checkpoint) -> Plan:
     return ct_common.finish_plan(ckpt, plan_split_layout(ckpt, NAME, ROLES, ct_common.facts(ckpt, "nvfp4")))
 
 
-def read(ckpt: Checkpoint, spec: UnitSpec) -> Canonical:
-    return read_split_unit(ckpt, spec, ROLES)
+def read(ckpt: Checkpoint, spec: UnitSpec, *, pin: bool = False) -> Canonical:
+    return read_split_unit(ckpt, spec, ROLES, pin=pin)
