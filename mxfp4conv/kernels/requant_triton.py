@@ -49,12 +49,12 @@ class KernelConfig:
 
 
 def default_config(rule: object) -> KernelConfig:
-    """The launch shape measured fastest on an H200 (BENCHMARKS.md): tiles of 2 blocks with the next
-    tile prefetched for the single-candidate rules (1.59x the one-block loop on EVEN); the MSE
-    rule computes two candidates per block and is bound by instruction issue, where the extra
-    registers of prefetching cost more than they hide, so it keeps the one-block loop."""
+    """The launch shape measured fastest on an H200 (BENCHMARKS.md): tiles of 2 blocks per row with
+    the next tile prefetched (EVEN 586 -> 922 G weights/s against the one-block loop). MSE, bound by
+    instruction issue (two candidates per block), is fastest with 4 warps per program (556 against
+    491 with 8); the other rules take the occupancy-based choice of ``auto_num_warps``."""
     if rule_id(rule) == _RULE_IDS["mse"]:
-        return KernelConfig(blocks_per_iter=1, prefetch=False)
+        return KernelConfig(num_warps=4, blocks_per_iter=2, prefetch=True)
     return KernelConfig(blocks_per_iter=2, prefetch=True)
 
 
