@@ -393,10 +393,12 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
         (staging / MANIFEST).write_bytes(_json_bytes(manifest))
         publish(staging, dst)
     except OutputError:
-        remove_tree(staging)  # e.g. a full disk: nothing worth resuming
+        if opts.partition is None:  # e.g. a full disk: nothing worth resuming; other partitions' shards are kept
+            remove_tree(staging)
         raise
     except OSError as exc:  # JSON files, copied extras, manifest, publish
-        remove_tree(staging)
+        if opts.partition is None:
+            remove_tree(staging)
         raise OutputError(f"cannot write the output: {exc.strerror or exc}", file=str(getattr(exc, "filename", None) or dst),
                           hint="free disk space or choose another destination") from exc
     except BaseException:

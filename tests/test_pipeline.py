@@ -245,6 +245,33 @@ def test_finish_refuses_missing_partition(srcs: dict[str, Path], tmp_path: Path)
     assert not (tmp_path / "o").exists()
 
 
+def test_failed_partition_keeps_the_others_shards(srcs: dict[str, Path], tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A partition that fails to write (e.g. a full disk) must not delete the staging folder the other
+    partitions share (Ray tasks, batch jobs): its rerun and --finish still give the one-run bytes."""
+    import mxfp4conv.pipeline as pipeline
+    from mxfp4conv.errors import OutputError
+
+    args = [str(srcs["ct-mxfp4"]), "--to", "quark", "--max-shard-size", "30KB"]
+    assert run("convert", args[0], str(tmp_path / "one"), *args[1:])[0] == 0
+    assert run("convert", args[0], str(tmp_path / "o"), *args[1:], "--partition", "0/2")[0] == 0
+    staging = tmp_path / ".o.mxfp4conv-staging"
+    kept = {p.name: p.read_bytes() for p in staging.glob("*.safetensors")}
+    assert kept
+
+    def full_disk(*a: object, **k: object) -> str:
+        raise OutputError("cannot write shard: No space left on device", file="x", hint="free disk space")
+
+    with monkeypatch.context() as m:
+        m.setattr(pipeline, "write_safetensors", full_disk)
+        code, _, err = run("convert", args[0], str(tmp_path / "o"), *args[1:], "--partition", "1/2")
+    assert code != 0 and "No space left" in err
+    assert {p.name: p.read_bytes() for p in staging.glob("*.safetensors")} == kept  # partition 0's work survives
+    assert run("convert", args[0], str(tmp_path / "o"), *args[1:], "--partition", "1/2")[0] == 0
+    assert run("convert", args[0], str(tmp_path / "o"), *args[1:], "--finish")[0] == 0
+    assert tree_hashes(tmp_path / "one") == tree_hashes(tmp_path / "o")
+
+
 def test_resume_reuses_rechecked_shards(srcs: dict[str, Path], tmp_path: Path) -> None:
     """A killed run leaves finished shards in staging; --resume re-hashes and reuses them."""
     args = [str(srcs["modelopt-nvfp4"]), "--to", "ct", "--max-shard-size", "30KB", "--device", "cpu"]
