@@ -11,6 +11,7 @@ device or on which process wrote them, and the manifest only records device-inde
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -30,6 +31,7 @@ __all__ = ["RayConvertReport", "convert_on_ray"]
 
 _INSTALL_HINT = "pip install 'mxfp4conv[ray]' (on every node of the cluster)"
 _CANCEL_WAIT_S = 30.0
+_PROGRESS_TICK_S = 1.0
 
 
 @dataclass
@@ -135,7 +137,9 @@ def convert_on_ray(src: str | Path, dst: str | Path, opts: ConvertOptions, addre
         sizes = [0] * n
         for j, shard in enumerate(plan.shards):
             sizes[j % n] += int(shard["bytes"])
-        results = _wait_all(ray, refs, n, sizes, on_progress, staging if not opts.resume else None)
+        shard_bytes = {str(sh["file"]): int(sh["bytes"]) for sh in plan.shards}
+        results = _wait_all(ray, refs, n, sizes, on_progress, staging if not opts.resume else None,
+                            (staging, shard_bytes))
         t_tasks = time.perf_counter() - t_tasks
         finish_device = opts.device if not gpu or torch.cuda.is_available() else "cpu"  # same bytes on any device
         try:
@@ -159,9 +163,22 @@ def convert_on_ray(src: str | Path, dst: str | Path, opts: ConvertOptions, addre
     return out
 
 
+def _finished_bytes(staging: Path, shard_bytes: dict[str, int]) -> int:
+    """Bytes of the shards the partitions have recorded as finished so far (their progress files)."""
+    done: set[str] = set()
+    for p in staging.glob(".mxfp4conv-progress*.json"):
+        try:
+            done.update(json.loads(p.read_text()).get("shards", {}))
+        except (OSError, ValueError):
+            continue  # being replaced right now: read it at the next tick
+    return sum(shard_bytes.get(name, 0) for name in done)
+
+
 def _wait_all(ray: Any, refs: dict[Any, int], n: int, sizes: list[int], on_progress: Progress | None,
-              staging: Path | None) -> list[dict[str, Any]]:
-    """Results of every task; on the first failure cancel the rest, clean up (if asked) and raise."""
+              staging: Path | None, watch: tuple[Path, dict[str, int]]) -> list[dict[str, Any]]:
+    """Results of every task; on the first failure cancel the rest, clean up (if asked) and raise.
+    Progress (bytes of finished shards across every worker) is read from the shared staging folder
+    once a second, so the bar's rate and ETA cover the whole cluster."""
     pending = list(refs)
     results: list[dict[str, Any]] = []
     total, done = sum(sizes), 0
@@ -169,14 +186,16 @@ def _wait_all(ray: Any, refs: dict[Any, int], n: int, sizes: list[int], on_progr
         on_progress(0, total)
     try:
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
-            i = refs[ready[0]]
-            try:
-                results.append(ray.get(ready[0]))
-            except Exception as exc:
-                raise _task_error(exc, (i, n)) from None
-            done += sizes[i]
-            if on_progress:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=_PROGRESS_TICK_S)
+            if ready:
+                i = refs[ready[0]]
+                try:
+                    results.append(ray.get(ready[0]))
+                except Exception as exc:
+                    raise _task_error(exc, (i, n)) from None
+            seen = _finished_bytes(*watch)
+            if on_progress and seen > done:
+                done = seen
                 on_progress(done, total)
     except BaseException:
         for ref in pending:

@@ -172,3 +172,18 @@ def test_missing_ray_names_the_extra(srcs: dict[str, Path], tmp_path: Path, monk
     assert code == 1
     assert "pip install 'mxfp4conv[ray]'" in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_progress_counts_finished_shards_across_workers(ray_address: str, srcs: dict[str, Path], tmp_path: Path) -> None:
+    """The driver's progress (the CLI's GB/s and ETA bar) climbs with shards finished on any worker
+    and ends at the total planned bytes."""
+    from mxfp4conv.pipeline import ConvertOptions
+    from mxfp4conv.ray_runner import convert_on_ray
+
+    calls: list[tuple[int, int]] = []
+    report = convert_on_ray(srcs["ct-mxfp4"], tmp_path / "o", ConvertOptions(target="ct", max_shard_size=30_000),
+                            ray_address, on_progress=lambda done, total: calls.append((done, total)))
+    total = sum(int(s["bytes"]) for s in report.shards)
+    assert calls[0] == (0, total) and calls[-1] == (total, total)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+    assert len(report.shards) >= 3
