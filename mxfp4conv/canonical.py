@@ -19,9 +19,10 @@ Nothing here does I/O or numerics beyond shape checks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DenseFP4",

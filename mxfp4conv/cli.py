@@ -232,10 +232,9 @@ def _partition(text: str | None) -> tuple[int, int] | None:
 
 
 def _device(name: str) -> str:
+    """Validate ``--device``; ``auto`` is resolved by the pipeline, only if something is requantized."""
     if name == "auto":
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return name
     if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
         raise click.BadParameter(f"{name!r}: use auto, cpu, cuda or cuda:N", param_hint="--device")
     return name

@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from mxfp4conv import __version__
 from mxfp4conv.canonicalize import to_mxfp4
@@ -136,12 +137,33 @@ def plan_shards(target: Target, ctx: WriterContext, plan: Plan, max_bytes: int, 
     return shards
 
 
+def resolve_device(name: str, needed: bool = True) -> str:
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; other names unchanged. With
+    ``needed=False`` (nothing will be requantized: renames, Marlin repacks of MXFP4) ``auto`` is
+    ``cpu`` without importing torch, so such conversions and ``inspect`` start in a fraction of a second."""
+    if name != "auto":
+        return name
+    if not needed:
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _needs_device(ctx: WriterContext) -> bool:
+    """Whether any unit is requantized (the only work that runs on ``--device``)."""
+    return ctx.facts.source_quant == "nvfp4" and ctx.options.get("keep_nvfp4") != "1"
+
+
 def _devices(opts: ConvertOptions) -> list[str]:
     """Where units are transformed: every visible GPU for ``--device cuda``, the listed ones, or one device."""
     if opts.devices:
         return list(opts.devices)
-    if opts.device == "cuda" and torch.cuda.is_available():
-        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if opts.device == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     return [opts.device]
 
 
@@ -153,8 +175,11 @@ def _read(spec: UnitSpec, ckpt: Checkpoint, layout: Any, target: Target, ctx: Wr
     slices = direct_slices(spec, ckpt, target, ctx)
     if slices is not None:
         return slices, time.perf_counter() - t0
-    pin = (device.startswith("cuda") and ctx.facts.source_quant == "nvfp4" and ctx.options.get("keep_nvfp4") != "1"
-           and torch.cuda.is_available())
+    pin = device.startswith("cuda") and _needs_device(ctx)
+    if pin:
+        import torch
+
+        pin = torch.cuda.is_available()
     return layout.read(ckpt, spec, pin=pin), time.perf_counter() - t0
 
 
@@ -167,6 +192,8 @@ def _transform(spec: UnitSpec, ckpt: Checkpoint, layout: Any, target: Target, ct
     if isinstance(unit, list):  # a pure rename: bytes are copied by the writer
         return unit, {}, t_read, 0.0
     if device.startswith("cuda"):
+        import torch
+
         with torch.cuda.device(torch.device(device)):  # kernels launch on the thread's current device
             return _transform_on(unit, spec, ckpt, target, ctx, opts, device, t_read)
     return _transform_on(unit, spec, ckpt, target, ctx, opts, device, t_read)
@@ -202,7 +229,7 @@ def direct_slices(spec: UnitSpec, ckpt: Checkpoint, target: Target, ctx: WriterC
         return None
     for ref in refs:  # E8M0 0xFF (NaN) is invalid input even when only copied
         if (spec.kind != "passthrough" and ref.dtype == "U8" and ref.name.endswith(("weight_scale", "_scales"))
-                and bool((ref.load() == 0xFF).any())):
+                and b"\xff" in ref.read_bytes()):
             raise InputError("E8M0 scale byte 0xFF (NaN) is not a valid MXFP4 scale", file=ckpt.rel(ref.file),
                              tensor=ref.name, hint="the checkpoint is corrupt; re-export it")
     return [FileSlice(r.file, r.begin, r.nbytes) for r in refs]
@@ -257,6 +284,8 @@ def _encode_shard(shard: _ShardPlan, ckpt: Checkpoint, layout: Any, target: Targ
 
 def _scale_tensor(ckpt: Checkpoint, spec: UnitSpec) -> str:
     """The first source tensor of a unit whose NVFP4 scales are invalid (error path only)."""
+    import torch
+
     from mxfp4conv.formats.nvfp4 import validate_nvfp4_scales
 
     for name in spec.sources:
@@ -341,6 +370,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
     """Convert SRC into DST (see module docstring). Raises ``ConvertError`` subclasses."""
     t_start = time.perf_counter()
     ckpt, layout, plan, target, ctx = prepare(src, opts)
+    opts = dataclasses.replace(opts, device=resolve_device(opts.device, _needs_device(ctx)))
     dst = Path(dst)
     report = ConvertReport(str(src), str(dst), plan.layout, target.NAME, "dry-run" if opts.dry_run else "converted")
     fingerprint = {"tool": __version__, "source": source_fingerprint(ckpt), "options": opts.fingerprint_dict()}

@@ -100,6 +100,9 @@ def convert_on_ray(src: str | Path, dst: str | Path, opts: ConvertOptions, addre
     t_start = time.perf_counter()
     _check_options(opts)
     ray = _import_ray()
+    from mxfp4conv.pipeline import resolve_device
+
+    opts = dataclasses.replace(opts, device=resolve_device(opts.device))  # auto: the driver's GPUs decide
     plan = convert(src, dst, dataclasses.replace(opts, dry_run=True))  # input and DST checks, shard list
     fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(ConvertReport)}
     if plan.status == "skipped":

@@ -14,9 +14,10 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from mxfp4conv.canonical import Canonical, DenseFP4, MoELayer, Passthrough
 from mxfp4conv.canonicalize import to_mxfp4
@@ -54,6 +55,7 @@ class VerifyReport:
 
 
 def _diff(name: str, want: torch.Tensor | None, got: torch.Tensor | None) -> dict[str, Any] | None:
+    import torch
     if want is None and got is None:
         return None
     if want is None or got is None:
@@ -126,7 +128,7 @@ def _manifest(dst: Path) -> dict[str, Any]:
 def verify_output(src: str | Path, dst: str | Path, *, manifest_opts: Any = None, _prepared: Any = None,
                   raise_on_failure: bool = True, device: str = "cpu") -> VerifyReport:
     """Compare DST with SRC; raises ``VerificationFailed`` (exit 3) on any difference."""
-    from mxfp4conv.pipeline import ConvertOptions, direct_slices, prepare
+    from mxfp4conv.pipeline import ConvertOptions, _needs_device, direct_slices, prepare, resolve_device
 
     dst = Path(dst)
     if manifest_opts is None:
@@ -136,6 +138,7 @@ def verify_output(src: str | Path, dst: str | Path, *, manifest_opts: Any = None
                                        extra=dict(o.get("extra", {})), device=device)
     opts = manifest_opts
     ckpt, layout, plan, target, ctx = _prepared or prepare(src, opts)
+    opts = dataclasses.replace(opts, device=resolve_device(opts.device, _needs_device(ctx)))
     report = VerifyReport(str(src), str(dst), target.NAME)
     for r in target.ranks(ctx):
         rctx = dataclasses.replace(ctx, options={**ctx.options, "tp_rank": str(r)})
@@ -165,8 +168,12 @@ def verify_output(src: str | Path, dst: str | Path, *, manifest_opts: Any = None
                         report.mismatches.append({"tensor": o.name, "message": f"bytes differ from the source, "
                                                   f"first at byte {at}"})
                 continue
-            requant = ctx.options.get("keep_nvfp4") != "1" and ctx.facts.source_quant == "nvfp4"
-            want = layout.read(ckpt, spec, pin=requant and opts.device.startswith("cuda") and torch.cuda.is_available())
+            pin = _needs_device(ctx) and opts.device.startswith("cuda")
+            if pin:
+                import torch
+
+                pin = torch.cuda.is_available()
+            want = layout.read(ckpt, spec, pin=pin)
             if ctx.options.get("keep_nvfp4") != "1":
                 want, _ = to_mxfp4(want, rule=opts.scale_rule, device=opts.device)
             want = target.slice_for_rank(want, spec, rctx)

@@ -330,3 +330,27 @@ def test_copy_modes_give_identical_bytes(srcs: dict[str, Path], tmp_path: Path) 
         subprocess.run([sys.executable, "-m", "mxfp4conv", "convert", str(srcs["gpt-oss"]), str(tmp_path / mode)],
                        check=True, env=env, capture_output=True)
     assert tree_hashes(tmp_path / "readwrite") == tree_hashes(tmp_path / "copy_file_range")
+
+
+def test_inspect_and_lossless_paths_never_import_torch(srcs: dict[str, Path], tmp_path: Path) -> None:
+    """Headers, plans, byte-range copies and raw verify need no torch: `inspect`, rename conversions
+    and their verify start in a fraction of a second (torch's import alone is 2-4 s). A requant does
+    import it (the check below would catch a probe that cannot see imports)."""
+    probe = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from mxfp4conv.cli import cli\n"
+        "for args in sys.argv[1].split(';'):\n"
+        "    r = CliRunner().invoke(cli, args.split())\n"
+        "    assert r.exit_code == 0, (args, r.output)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    mx, go, nv = (str(srcs[k]) for k in ("ct-mxfp4", "gpt-oss", "modelopt-nvfp4"))
+    lossless = (f"inspect {mx} --json;inspect {go};inspect {nv};convert {mx} {tmp_path / 'a'} --to quark;"
+                f"verify {mx} {tmp_path / 'a'};convert {go} {tmp_path / 'b'} --to gpt-oss;"
+                f"convert {mx} {tmp_path / 'c'} --dry-run")
+    res = subprocess.run([sys.executable, "-c", probe, lossless], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "False", res.stdout + res.stderr
+    res = subprocess.run([sys.executable, "-c", probe, f"convert {nv} {tmp_path / 'd'} --to ct --device cpu"],
+                         capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "True"

@@ -22,15 +22,17 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from mxfp4conv.errors import InputError, OutputError
 
-__all__ = [
-    "DTYPES",
+__all__ = [  # and DTYPES, built lazily by the module __getattr__
+    "ITEMSIZE",
     "MAX_HEADER_BYTES",
     "MAX_JSON_BYTES",
     "FileSlice",
@@ -43,33 +45,42 @@ __all__ = [
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 MAX_JSON_BYTES = 64 * 1024 * 1024  # config.json, index, hf_quant_config.json
 
-# safetensors dtype string -> (torch dtype, bytes per element)
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "BOOL": (torch.bool, 1),
-    "U8": (torch.uint8, 1),
-    "I8": (torch.int8, 1),
-    "I16": (torch.int16, 2),
-    "U16": (torch.uint16, 2),
-    "I32": (torch.int32, 4),
-    "U32": (torch.uint32, 4),
-    "I64": (torch.int64, 8),
-    "U64": (torch.uint64, 8),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "F32": (torch.float32, 4),
-    "F64": (torch.float64, 8),
-    "F8_E4M3": (torch.float8_e4m3fn, 1),
-    "F8_E5M2": (torch.float8_e5m2, 1),
+# safetensors dtype string -> bytes per element (torch is not needed to read headers or copy bytes)
+ITEMSIZE: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8,
+    "F16": 2, "BF16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
 }
-if hasattr(torch, "float8_e8m0fnu"):
-    DTYPES["F8_E8M0"] = (torch.float8_e8m0fnu, 1)
+_TORCH_NAMES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
+    "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+}
 
-_TORCH_TO_ST = {v[0]: k for k, v in DTYPES.items()}
+
+@lru_cache(maxsize=1)
+def _dtypes() -> dict[str, tuple[torch.dtype, int]]:
+    import torch
+
+    return {k: (getattr(torch, _TORCH_NAMES[k]), n) for k, n in ITEMSIZE.items()}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype string (imports torch)."""
+    return _dtypes()[name][0]
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPES`` (safetensors dtype -> (torch dtype, bytes per element)), built on first use so that
+    importing this module does not import torch."""
+    if name == "DTYPES":
+        return _dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def st_dtype(dtype: torch.dtype) -> str:
     """The safetensors dtype string of a torch dtype."""
-    return _TORCH_TO_ST[dtype]
+    return {v[0]: k for k, v in _dtypes().items()}[dtype]
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -164,7 +175,7 @@ class TensorRef:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype][0]
+        return torch_dtype(self.dtype)
 
     def _read_into(self, buf: memoryview) -> None:
         fd = os.open(self.file, os.O_RDONLY)
@@ -188,6 +199,7 @@ class TensorRef:
 
     def read_into(self, out: torch.Tensor) -> None:
         """Read the tensor's bytes into ``out`` (a contiguous CPU tensor of exactly ``nbytes``)."""
+        import torch
         if not out.is_contiguous() or out.numel() * out.element_size() != self.nbytes:
             raise ValueError(f"{self.name}: destination of {out.numel() * out.element_size()} bytes, need {self.nbytes}")
         if self.nbytes:
@@ -195,7 +207,8 @@ class TensorRef:
 
     def load(self) -> torch.Tensor:
         """Read the tensor (CPU, own memory), with one copy from the page cache into the tensor."""
-        dtype = DTYPES[self.dtype][0]
+        import torch
+        dtype = torch_dtype(self.dtype)
         raw = torch.empty(self.nbytes, dtype=torch.uint8)
         if self.nbytes:
             self._read_into(memoryview(raw.numpy()).cast("B"))  # type: ignore[arg-type]
@@ -255,7 +268,7 @@ def _parse_entry(fname: str, path: Path, name: str, entry: Any, data_start: int,
     if not isinstance(entry, dict):
         raise InputError("header entry is not an object", file=fname, tensor=name)
     dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(dtype, str) or dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise InputError(f"unknown dtype {dtype!r}", file=fname, tensor=name)
     if (not isinstance(shape, list) or len(shape) > 8
             or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**48 for d in shape)):
@@ -267,7 +280,7 @@ def _parse_entry(fname: str, path: Path, name: str, entry: Any, data_start: int,
     if not 0 <= b <= e <= data_len:
         raise InputError(f"data_offsets [{b}, {e}] lie outside the data area ({data_len} bytes)",
                          file=fname, tensor=name, hint="the shard is truncated or corrupt; download it again")
-    expect = math.prod(shape) * DTYPES[dtype][1]
+    expect = math.prod(shape) * ITEMSIZE[dtype]
     if e - b != expect:
         raise InputError(f"holds {e - b} bytes but dtype {dtype} x shape {shape} needs {expect}",
                          file=fname, tensor=name, hint="the shard is corrupt")
@@ -299,7 +312,7 @@ def write_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]]
     run on a background thread (both release the GIL), overlapping with the producer's reading
     and transforming; at most ``max_inflight`` bytes (or one item, if larger) are queued.
     """
-    sized = [(n, d, s, math.prod(s) * DTYPES[d][1]) for n, d, s in entries]
+    sized = [(n, d, s, math.prod(s) * ITEMSIZE[d]) for n, d, s in entries]
     writer = _BackgroundWriter(path, max_inflight)
     try:
         writer.put(_header_bytes(sized, metadata))
@@ -471,6 +484,7 @@ def _iter_checked(data: Iterable[bytes | torch.Tensor | FileSlice], n: int) -> I
 
 
 def _as_bytes(item: bytes | torch.Tensor) -> bytes | memoryview:
+    import torch
     if isinstance(item, bytes):
         return item
     t = item.detach().contiguous().cpu()

@@ -10,9 +10,10 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, ModelFacts, MoELayer, Passthrough, UnitSpec
 from mxfp4conv.errors import InputError
@@ -295,6 +296,7 @@ def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, pin: 
     result (no per-module tensors, no stack or cat copies); block scales are checked once, on the
     whole result, and a NaN is then traced back to its source tensor. ``pin``: page-locked buffers
     (torch's caching host allocator reuses them unit after unit: no page faults, direct DMA)."""
+    import torch
     t = ckpt.tensors
     num = len(groups[0])
     refs = [[t[f"{m}.{roles.packed}"] for m in g] for g in groups]
@@ -322,6 +324,7 @@ def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, pin: 
 def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[int], pin: bool) -> torch.Tensor:
     """uint8 ``[num, sum(rows), cols]`` from 2-D one-byte tensors: group j's module e fills rows
     ``sum(rows[:j]) .. + rows[j]`` of slot e. ``refs`` are group-major (plan checked the shapes)."""
+    import torch
     first = refs[0]
     cols = first.shape[1]
     out = torch.empty((num, sum(rows), cols), dtype=torch.uint8, pin_memory=pin)
@@ -340,6 +343,7 @@ def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[in
 
 def _checked_scale(ckpt: Checkpoint, ref: TensorRef, roles: LinearRoles) -> torch.Tensor:
     """NVFP4 E4M3 block scales must not be NaN (0x7F/0xFF): the error names the source tensor."""
+    import torch
     raw = ref.load()
     if roles.scale_dtype == "F8_E4M3":
         bad = (raw.view(torch.uint8) & 0x7F) == 0x7F
@@ -362,6 +366,7 @@ def _checked_global(ckpt: Checkpoint, ref: TensorRef) -> torch.Tensor:
 
 def read_split_unit(ckpt: Checkpoint, spec: UnitSpec, roles: LinearRoles, *, pin: bool = False) -> Canonical:
     """One unit's tensors in canonical form; ``pin``: the FP4 stacks in page-locked memory (they go to a GPU)."""
+    import torch
     t = ckpt.tensors
     if spec.kind == "passthrough":
         return Passthrough(spec.key, t[spec.key].load())

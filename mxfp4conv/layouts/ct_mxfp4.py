@@ -6,7 +6,10 @@ transformers-v5 fused names (``experts.gate_up_proj_packed`` [E, 2I, H/2], gate 
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    pass
 
 from mxfp4conv.canonical import Canonical, FP4Weight, MoELayer, UnitSpec
 from mxfp4conv.io.checkpoint import Checkpoint
@@ -65,6 +68,7 @@ def plan(ckpt: Checkpoint) -> Plan:
 
 
 def read(ckpt: Checkpoint, spec: UnitSpec, *, pin: bool = False) -> Canonical:
+    import torch
     if spec.kind == "moe" and spec.extra.get("fused"):
         t = ckpt.tensors
         gu, gus, dn, dns = (t[f"{spec.key}.{s}"].load() for s in _FUSED)

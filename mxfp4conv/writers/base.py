@@ -12,16 +12,17 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, ModelFacts, MoELayer, Passthrough, UnitSpec
-from mxfp4conv.io.safetensors_io import DTYPES
+from mxfp4conv.io.safetensors_io import ITEMSIZE
 
 __all__ = ["OutTensor", "SplitTarget", "Target", "WriterContext", "dense_module_names", "exact_ignore_list", "split_names"]
 
-Getter = Callable[[str], torch.Tensor]
+Getter = Callable[[str], "torch.Tensor"]
 
 
 class OutTensor(NamedTuple):
@@ -31,7 +32,7 @@ class OutTensor(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype][1]
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -124,10 +125,12 @@ def moe_split_encode(unit: MoELayer) -> list[torch.Tensor]:
 
 
 def moe_split_decode(spec: UnitSpec, ctx: WriterContext, get: Getter, packed: str, scale: str) -> MoELayer:
+    import torch
     e_num = spec.dims[0]
     g, u, d = split_names(ctx)
 
     def stack(proj: str, suffix: str) -> torch.Tensor:
+        import torch
         return torch.stack([get(f"{spec.key}.{e}.{proj}.{suffix}") for e in range(e_num)])
 
     w13 = FP4Weight("mxfp4", torch.cat([stack(g, packed), stack(u, packed)], 1),

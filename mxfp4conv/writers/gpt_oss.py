@@ -7,7 +7,10 @@ llm-compressor linearized into per-expert names.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from mxfp4conv.canonical import Canonical, FP4Weight, MoELayer, UnitSpec
 from mxfp4conv.layouts.gpt_oss import deinterleave_rows, interleave_rows
@@ -52,6 +55,7 @@ class GptOssTarget(Target):
                 OutTensor(f"{p}.gate_up_proj_scales", "U8", (e, 2 * i, h // 32))]
 
     def encode(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> list[torch.Tensor]:
+        import torch
         if not isinstance(unit, MoELayer):
             return super().encode(unit, spec, ctx)
         e, h, i = spec.dims

@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, MoELayer, UnitSpec
-from mxfp4conv.formats import marlin as fm
+from mxfp4conv.formats.marlin_shapes import check_marlin_shape, gptoss_marlin_padded_sizes, marlin_padded_nk
 from mxfp4conv.layouts.gpt_oss import deinterleave_rows, interleave_rows
 from mxfp4conv.writers import ct as ct_writer
 from mxfp4conv.writers import gpt_oss as gpt_oss_writer
 from mxfp4conv.writers.base import Getter, OutTensor, Target, WriterContext
+
+if TYPE_CHECKING:  # torch and the Marlin numerics load on first use: plans and inspect need neither
+    import torch
+
 
 LAYOUT_VERSION = "v2"
 VLLM_VERIFIED = "0.33.0"
@@ -63,7 +66,7 @@ def _geo(spec: UnitSpec, ctx: WriterContext) -> _Geo:
     if _gptoss(ctx) and engine == "vllm":
         chunk = -(-i // 32 // tp) * 32
         start = min(i, rank * chunk)
-        hp, ip = fm.gptoss_marlin_padded_sizes(h, i // tp)
+        hp, ip = gptoss_marlin_padded_sizes(h, i // tp)
         return _Geo(start, min(i, start + chunk) - start, ip, hp, True)
     i_r = i // tp
     if keep and not _gptoss(ctx):  # vLLM's NVFP4 MoE preparation pads I per gate/up shard (MARLIN.md §4)
@@ -99,14 +102,14 @@ class MarlinTarget(Target):
                 if not _gptoss(ctx):
                     ip = _geo(u, ctx).ip
                     for what, n, k in (("w13", 2 * ip, h), ("w2", h, ip)):
-                        if why := fm.check_marlin_shape(n, k, group):
+                        if why := check_marlin_shape(n, k, group):
                             return f"{u.key}.{what} per rank [N={n}, K={k}] fails the Marlin rule {why}"
                 elif (i // tp) % 32:
                     return f"{u.key}: I/tp = {i // tp} must be a multiple of 32 (MXFP4 block)"
                 elif engine == "sglang":
                     geo = _geo(u, ctx)
                     for what, n, k in (("w13", 2 * geo.ip, h), ("w2", h, geo.ip)):
-                        if why := fm.check_marlin_shape(n, k, group):
+                        if why := check_marlin_shape(n, k, group):
                             return f"{u.key}.{what} per rank [N={n}, K={k}] fails SGLang's Marlin rule {why}"
             elif u.kind == "dense":
                 n, k = u.dims
@@ -165,7 +168,7 @@ class MarlinTarget(Target):
             return out
         if spec.kind == "dense":
             n, k = self._dense_nk(spec, ctx)
-            np_, kp = (n, k) if fm.check_marlin_shape(n, k, g) is None else fm.marlin_padded_nk(n, k, g)
+            np_, kp = (n, k) if check_marlin_shape(n, k, g) is None else marlin_padded_nk(n, k, g)
             out = [OutTensor(f"{spec.key}.weight", "I32", (kp // 16, 2 * np_)),
                    OutTensor(f"{spec.key}.weight_scale", sdt, (kp // g, np_))]
             if keep:
@@ -183,6 +186,7 @@ class MarlinTarget(Target):
     # ---- the canonical slice a rank holds -----------------------------------------------------
 
     def slice_for_rank(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> Canonical:
+        import torch
         tp, rank, _, keep = _opts(ctx)
         if isinstance(unit, MoELayer):
             geo = _geo(spec, ctx)
@@ -222,6 +226,9 @@ class MarlinTarget(Target):
         """NVFP4 kept as NVFP4: S0E5M3 scales do not decode uniquely ((s*2^k, g/2^k) encode alike), so
         the rank's slice of SRC is encoded again and every output byte compared; the FP4 codes are
         also decoded back and compared. None (the default decode-and-compare) for MXFP4 outputs."""
+        import torch
+
+        from mxfp4conv.formats import marlin as fm
         if not _opts(ctx)[3] or spec.kind == "passthrough":
             return None
         assert isinstance(want, MoELayer | DenseFP4)
@@ -239,6 +246,7 @@ class MarlinTarget(Target):
         return out
 
     def _encode_part(self, part: Canonical, spec: UnitSpec, ctx: WriterContext) -> list[torch.Tensor]:
+        from mxfp4conv.formats import marlin as fm
         names = [t.name for t in self.out_specs(spec, ctx)]
         if isinstance(part, MoELayer):
             if part.w13.quant == "nvfp4":
@@ -264,6 +272,9 @@ class MarlinTarget(Target):
 
     def _pad_moe(self, part: MoELayer, geo: _Geo) -> dict[str, torch.Tensor]:
         """Per-rank w13 rows in the engine's order, zero-padded to (2Ip, Hp) / (Hp, Ip)."""
+        import torch
+
+        from mxfp4conv.formats import marlin as fm
         two_r = part.w13.packed.shape[1]
         r = two_r // 2
         g = 16 if part.w13.quant == "nvfp4" else 32
@@ -287,6 +298,9 @@ class MarlinTarget(Target):
 
     def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
         """Marlin MXFP4 -> canonical (inverse permutations, padding cropped); NVFP4 goes through verify_unit."""
+        import torch
+
+        from mxfp4conv.formats import marlin as fm
         g = 32
         if spec.kind == "moe":
             h = spec.dims[1]
@@ -310,7 +324,7 @@ class MarlinTarget(Target):
             return MoELayer(p, w13, w2, b13, b2)
         if spec.kind == "dense":
             n, k = self._dense_nk(spec, ctx)
-            np_, kp = (n, k) if fm.check_marlin_shape(n, k, g) is None else fm.marlin_padded_nk(n, k, g)
+            np_, kp = (n, k) if check_marlin_shape(n, k, g) is None else marlin_padded_nk(n, k, g)
             w = _crop(_unmarlin(get(f"{spec.key}.weight"), get(f"{spec.key}.weight_scale"), np_, kp, _a8(ctx)),
                       slice(0, n), k, g)
             bias = fm.unpermute_bias(get(f"{spec.key}.bias"))[:n] if spec.has_bias else None
@@ -342,6 +356,7 @@ def _check_one_global(part: MoELayer, spec: UnitSpec) -> None:
 
 
 def _take_rows(w: FP4Weight, rows: torch.Tensor) -> FP4Weight:
+    import torch
     g = w.global_rows.index_select(-1, rows) if w.global_rows is not None else None
     return FP4Weight(w.quant, w.packed.index_select(-2, rows), w.scales.view(torch.uint8).index_select(-2, rows).view(w.scales.dtype),
                      g, w.global_is_divisor)
@@ -366,5 +381,8 @@ def _multiplier(w: FP4Weight) -> FP4Weight:
 
 def _unmarlin(weight: torch.Tensor, scale: torch.Tensor, n: int, k: int, a8: bool) -> FP4Weight:
     """Marlin MXFP4 tensors back to canonical codes and E8M0 bytes (NVFP4 is verified by re-encoding)."""
+    import torch
+
+    from mxfp4conv.formats import marlin as fm
     packed = fm.unrepack_fp4_weight(weight, n, k, a8=a8)
     return FP4Weight("mxfp4", packed, fm.mxfp4_scales_from_marlin(scale.view(torch.uint8), a8=a8))

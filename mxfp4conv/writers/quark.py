@@ -7,9 +7,10 @@ For gpt_oss, experts use the per-expert fused names vLLM's ``_load_weights_quark
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from mxfp4conv.canonical import Canonical, FP4Weight, MoELayer, UnitSpec
 from mxfp4conv.layouts.gpt_oss import deinterleave_rows, interleave_rows
@@ -93,6 +94,7 @@ class QuarkTarget(SplitTarget):
             e_num = spec.dims[0]
 
             def stack(s: str) -> torch.Tensor:
+                import torch
                 return torch.stack([get(f"{spec.key}.{e}.{s}") for e in range(e_num)])
 
             w13 = FP4Weight("mxfp4", deinterleave_rows(stack("w13_weight")), deinterleave_rows(stack("w13_weight_scale")))
