@@ -128,7 +128,7 @@ COPY_CHUNK = 16 << 20
 # "readwrite": pread into a reused buffer, hash, write; "copy_file_range": kernel-side copy, then a
 # pread of the same range (page cache) for the hash. Measured in BENCHMARKS.md.
 COPY_MODE = os.environ.get("MXFP4CONV_COPY", "readwrite")
-WRITEBACK_CHUNK = 64 << 20  # start the disk writeback of every 64 MiB written (see _Writeback)
+WRITEBACK_CHUNK = 16 << 20  # start the disk writeback of every 16 MiB written (see _Writeback)
 
 
 class _Writeback:
