@@ -302,6 +302,44 @@ def _ld(in_row, sc_row, j, c4, c2, m):
 
 
 @triton.jit
+def _ld_tile(in_row, sc_row, j0, c4, c2, m, TILE: tl.constexpr):
+    """Blocks ``j0 .. j0 + TILE - 1`` of every row, all loads issued together (unused slots repeat
+    block j0 and are never computed)."""
+    w0, s0 = _ld(in_row, sc_row, j0, c4, c2, m)
+    w1, s1 = w0, s0
+    w2, s2 = w0, s0
+    w3, s3 = w0, s0
+    if TILE >= 2:
+        w1, s1 = _ld(in_row, sc_row, j0 + 1, c4, c2, m)
+    if TILE == 4:
+        w2, s2 = _ld(in_row, sc_row, j0 + 2, c4, c2, m)
+        w3, s3 = _ld(in_row, sc_row, j0 + 3, c4, c2, m)
+    return w0, s0, w1, s1, w2, s2, w3, s3
+
+
+@triton.jit
+def _tile(w0, s0, w1, s1, w2, s2, w3, s3, j0, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+          rsq, rsig, rmx, rclip, rexact,
+          ROWS: tl.constexpr, RULE: tl.constexpr, DIVISOR: tl.constexpr, FAST_DIV: tl.constexpr,
+          USE_ASM: tl.constexpr, STATS: tl.constexpr, TILE: tl.constexpr):
+    """The TILE loaded blocks, in order (the row sums stay sequential over blocks)."""
+    rsq, rsig, rmx, rclip, rexact = _step(w0, s0, j0, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                                          rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
+    if TILE >= 2:
+        rsq, rsig, rmx, rclip, rexact = _step(w1, s1, j0 + 1, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                                              rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM,
+                                              STATS)
+    if TILE == 4:
+        rsq, rsig, rmx, rclip, rexact = _step(w2, s2, j0 + 2, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                                              rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM,
+                                              STATS)
+        rsq, rsig, rmx, rclip, rexact = _step(w3, s3, j0 + 3, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                                              rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM,
+                                              STATS)
+    return rsq, rsig, rmx, rclip, rexact
+
+
+@triton.jit
 def _step(wt, st, j, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
           rsq, rsig, rmx, rclip, rexact,
           ROWS: tl.constexpr, RULE: tl.constexpr, DIVISOR: tl.constexpr, FAST_DIV: tl.constexpr,
@@ -373,69 +411,19 @@ def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
     # alias the input as far as the compiler knows, so a load after a store cannot be hoisted);
     # PREFETCH also issues the next tile's loads before the current tile is computed.
     if PREFETCH:
-        w0, s0 = _ld(in_row, sc_row, 0, c4, c2, m2)
-        w1, s1 = w0, s0
-        w2, s2 = w0, s0
-        w3, s3 = w0, s0
-        if TILE >= 2:
-            w1, s1 = _ld(in_row, sc_row, 1, c4, c2, m2)
-        if TILE == 4:
-            w2, s2 = _ld(in_row, sc_row, 2, c4, c2, m2)
-            w3, s3 = _ld(in_row, sc_row, 3, c4, c2, m2)
+        w0, s0, w1, s1, w2, s2, w3, s3 = _ld_tile(in_row, sc_row, 0, c4, c2, m2, TILE)
         for j0 in range(0, NB, TILE):
-            mn = m2 & (j0 + TILE < NB)
-            n0, t0 = _ld(in_row, sc_row, j0 + TILE, c4, c2, mn)
-            n1, t1 = n0, t0
-            n2, t2 = n0, t0
-            n3, t3 = n0, t0
-            if TILE >= 2:
-                n1, t1 = _ld(in_row, sc_row, j0 + TILE + 1, c4, c2, mn)
-            if TILE == 4:
-                n2, t2 = _ld(in_row, sc_row, j0 + TILE + 2, c4, c2, mn)
-                n3, t3 = _ld(in_row, sc_row, j0 + TILE + 3, c4, c2, mn)
-            rsq, rsig, rmx, rclip, rexact = _step(
-                w0, s0, j0, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
-                rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
-            if TILE >= 2:
-                rsq, rsig, rmx, rclip, rexact = _step(
-                    w1, s1, j0 + 1, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
-                    rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
-            if TILE == 4:
-                rsq, rsig, rmx, rclip, rexact = _step(
-                    w2, s2, j0 + 2, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
-                    rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
-                rsq, rsig, rmx, rclip, rexact = _step(
-                    w3, s3, j0 + 3, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
-                    rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
-            w0, s0 = n0, t0
-            w1, s1 = n1, t1
-            w2, s2 = n2, t2
-            w3, s3 = n3, t3
+            n0, t0, n1, t1, n2, t2, n3, t3 = _ld_tile(in_row, sc_row, j0 + TILE, c4, c2, m2 & (j0 + TILE < NB), TILE)
+            rsq, rsig, rmx, rclip, rexact = _tile(
+                w0, s0, w1, s1, w2, s2, w3, s3, j0, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS, TILE)
+            w0, s0, w1, s1, w2, s2, w3, s3 = n0, t0, n1, t1, n2, t2, n3, t3
     else:
         for j0 in range(0, NB, TILE):
-            w0, s0 = _ld(in_row, sc_row, j0, c4, c2, m2)
-            w1, s1 = w0, s0
-            w2, s2 = w0, s0
-            w3, s3 = w0, s0
-            if TILE >= 2:
-                w1, s1 = _ld(in_row, sc_row, j0 + 1, c4, c2, m2)
-            if TILE == 4:
-                w2, s2 = _ld(in_row, sc_row, j0 + 2, c4, c2, m2)
-                w3, s3 = _ld(in_row, sc_row, j0 + 3, c4, c2, m2)
-            rsq, rsig, rmx, rclip, rexact = _step(
-                w0, s0, j0, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
-                rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
-            if TILE >= 2:
-                rsq, rsig, rmx, rclip, rexact = _step(
-                    w1, s1, j0 + 1, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
-                    rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
-            if TILE == 4:
-                rsq, rsig, rmx, rclip, rexact = _step(
-                    w2, s2, j0 + 2, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
-                    rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
-                rsq, rsig, rmx, rclip, rexact = _step(
-                    w3, s3, j0 + 3, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
-                    rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
+            w0, s0, w1, s1, w2, s2, w3, s3 = _ld_tile(in_row, sc_row, j0, c4, c2, m2, TILE)
+            rsq, rsig, rmx, rclip, rexact = _tile(
+                w0, s0, w1, s1, w2, s2, w3, s3, j0, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS, TILE)
     if STATS:
         st_row = st_ptr + r64 * 5
         tl.store(st_row, rsq, mask=rmask)
