@@ -125,8 +125,9 @@ class FileSlice:
 
 
 COPY_CHUNK = 16 << 20
-# "readwrite": pread into a reused buffer, hash, write; "copy_file_range": kernel-side copy, then a
-# pread of the same range (page cache) for the hash. Measured in BENCHMARKS.md.
+# How the writer thread copies a source byte range: "readwrite" (pread into a reused buffer, write) or
+# "copy_file_range" (kernel-side). Either way the hasher thread reads the same range itself.
+# Measured in BENCHMARKS.md (read/write is not slower, so it stays the default).
 COPY_MODE = os.environ.get("MXFP4CONV_COPY", "readwrite")
 WRITEBACK_CHUNK = 16 << 20  # start the disk writeback of every 16 MiB written (see _Writeback)
 
