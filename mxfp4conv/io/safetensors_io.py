@@ -485,9 +485,10 @@ def _iter_checked(data: Iterable[bytes | torch.Tensor | FileSlice], n: int) -> I
 
 
 def _as_bytes(item: bytes | torch.Tensor) -> bytes | memoryview:
-    import torch
     if isinstance(item, bytes):
         return item
+    import torch
+
     t = item.detach().contiguous().cpu()
     if t.numel() == 0:
         return b""
