@@ -28,15 +28,16 @@ _CTRL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def _safe(text: object) -> str:
-    """Names come from untrusted files: strip control characters before printing them."""
-    return _CTRL.sub("?", str(text))
+    """Names come from untrusted files: control characters become ``?`` and rich markup is escaped
+    (a tensor name or hint holding ``[...]`` prints as written)."""
+    return escape(_CTRL.sub("?", str(text)))
 
 
 def _fail(exc: BaseException, debug: bool) -> NoReturn:
     if debug:
         traceback.print_exc()
     if isinstance(exc, ConvertError):
-        _err.print(f"[bold red]error:[/] {escape(_safe(exc.one_line()))}", markup=True)  # hints hold [brackets]
+        _err.print(f"[bold red]error:[/] {_safe(exc.one_line())}", markup=True)  # hints hold [brackets]
         sys.exit(exc.exit_code)
     _err.print(f"[bold red]internal error:[/] {_safe(type(exc).__name__)}: {_safe(exc)} "
                "(a bug in mxfp4conv; rerun with --debug and report it)", markup=True)

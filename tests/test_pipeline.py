@@ -354,3 +354,12 @@ def test_inspect_and_lossless_paths_never_import_torch(srcs: dict[str, Path], tm
     res = subprocess.run([sys.executable, "-c", probe, f"convert {nv} {tmp_path / 'd'} --to ct --device cpu"],
                          capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "True"
+
+
+def test_untrusted_names_print_as_written() -> None:
+    """Names from checkpoint files go through rich: markup in them is escaped, control characters replaced."""
+    from mxfp4conv.cli import _err, _safe
+
+    with _err.capture() as cap:
+        _err.print(f"[red]problem:[/] {_safe('experts.0[bold].w[/]\x1b[2J')}", markup=True)
+    assert "problem: experts.0[bold].w[/]?[2J" in cap.get()
