@@ -360,6 +360,7 @@ def test_untrusted_names_print_as_written() -> None:
     """Names from checkpoint files go through rich: markup in them is escaped, control characters replaced."""
     from mxfp4conv.cli import _err, _safe
 
+    name = "experts.0[bold].w[/]\x1b[2J"
     with _err.capture() as cap:
-        _err.print(f"[red]problem:[/] {_safe('experts.0[bold].w[/]\x1b[2J')}", markup=True)
+        _err.print(f"[red]problem:[/] {_safe(name)}", markup=True)
     assert "problem: experts.0[bold].w[/]?[2J" in cap.get()
