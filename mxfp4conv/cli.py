@@ -107,7 +107,7 @@ def inspect_cmd(src: str, revision: str | None, as_json: bool, debug: bool) -> N
             if doc["problems"]:
                 p = doc["problems"][0]
                 more = f" (and {len(doc['problems']) - 1} more in the JSON report)" if len(doc["problems"]) > 1 else ""
-                _err.print(f"problem: {_safe(p['file'])}: {_safe(p['tensor'])}: {_safe(p['message'])}{more}", markup=False)
+                _err.print(f"problem: {_safe(p['file'])}: {_safe(p['tensor'])}: {_safe(p['message'])}{more}")
         else:
             _render_inspect(doc)
         return report.exit_code
@@ -278,7 +278,7 @@ def _render_convert(doc: dict[str, Any]) -> None:
         _err.print(f"  {_safe(name)}: SQNR {sq if sq is None else round(sq, 2)} dB, clipped {st.get('clipped_share', 0):.3%}")
     if doc.get("ray"):
         r = doc["ray"]
-        _err.print(f"Ray: {r['tasks']} task(s) on {r['nodes']} node(s) of {_safe(r['address'])} (one {r['resource']} each)", markup=False)
+        _err.print(f"Ray: {r['tasks']} task(s) on {r['nodes']} node(s) of {_safe(r['address'])} (one {r['resource']} each)")
     if doc["status"] == "converted":
         v = doc.get("verify")
         _err.print(f"[green]done:[/] {_safe(doc['destination'])} ({doc['bytes_written']:,} bytes, "

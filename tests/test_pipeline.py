@@ -364,3 +364,22 @@ def test_untrusted_names_print_as_written() -> None:
     with _err.capture() as cap:
         _err.print(f"[red]problem:[/] {_safe(name)}", markup=True)
     assert "problem: experts.0[bold].w[/]?[2J" in cap.get()
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_problem_lines_print_brackets_as_written(tmp_path: Path, as_json: bool) -> None:
+    """A plan problem whose message holds shapes in [brackets] prints them literally on stderr, in the
+    table mode and in the one summary line of --json mode."""
+    from safetensors.torch import load_file, save_file
+
+    src = build("ct-mxfp4", tmp_path / "src", shards=1)
+    f = src / "model.safetensors"
+    t = load_file(str(f))
+    name = next(n for n in sorted(t) if n.endswith("experts.0.down_proj.weight_scale"))
+    t[name] = t[name].reshape(-1)[:-1].clone().reshape(1, -1)  # wrong shape: a plan problem
+    save_file(t, str(f), metadata={"format": "pt"})
+    res = subprocess.run([sys.executable, "-m", "mxfp4conv", "inspect", str(src), *(["--json"] if as_json else [])],
+                         capture_output=True, text=True)
+    assert res.returncode == 1
+    line = next(ln for ln in res.stderr.splitlines() if ln.startswith("problem:"))
+    assert name in line and "scale shape [1, " in line and "\\[" not in res.stderr, res.stderr

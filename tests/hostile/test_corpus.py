@@ -613,6 +613,7 @@ def check_outcome(o: Outcome) -> None:
 
     ins, conv = o.inspect, o.convert
     assert "Traceback" not in ins.stderr + ins.stdout, ins.stderr
+    assert "\\[" not in ins.stderr + conv.stderr, "escaped rich markup leaked into a message"
     if c.inspect == "error":
         assert ins.returncode == 1, f"inspect exit {ins.returncode}:\n{ins.stderr}"
         _names(_one_error_line(ins.stderr, "inspect"), c, "inspect")
