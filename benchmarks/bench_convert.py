@@ -41,11 +41,11 @@ def timed(cmd: list[str]) -> tuple[float, int]:
                "r=subprocess.run(sys.argv[1:],stdout=open('/tmp/mxfp4conv-bench-stdout','w'));"
                "print(json.dumps([time.perf_counter()-t,resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,r.returncode]))",
                *cmd]
-    out = subprocess.run(wrapper, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    secs, rss, rc = json.loads(out)
+    res = subprocess.run(wrapper, check=True, capture_output=True, text=True)
+    secs, rss, rc = json.loads(res.stdout.strip().splitlines()[-1])
     LAST_STDOUT[0] = Path("/tmp/mxfp4conv-bench-stdout").read_text()
     if rc != 0:
-        raise SystemExit(f"command failed ({rc}): {' '.join(cmd)}")
+        raise SystemExit(f"command failed ({rc}): {' '.join(cmd)}\n{res.stderr[-3000:]}")
     return secs, rss
 
 

@@ -392,7 +392,7 @@ class _BackgroundWriter:
             while left and self._error is None:
                 got = os.preadv(fd, [buf[:min(left, COPY_CHUNK)]], pos)
                 if got <= 0:
-                    raise OSError(5, f"short read from {raw.file}")
+                    raise OSError(5, f"{raw.file} ended inside a tensor (truncated while being read?)")
                 self._digest.update(buf[:got])
                 pos += got
                 left -= got
@@ -423,13 +423,12 @@ class _BackgroundWriter:
                 return
             buf = self._wbuf = self._wbuf or memoryview(bytearray(COPY_CHUNK))
             while left:
-                n = min(left, COPY_CHUNK)
-                got = os.preadv(fd, [buf[:n]], pos)
-                if got != n:
-                    raise OSError(5, f"short read from {src.file}")
-                self._write(buf[:n])
-                pos += n
-                left -= n
+                got = os.preadv(fd, [buf[:min(left, COPY_CHUNK)]], pos)  # a short read is legal: loop
+                if got <= 0:
+                    raise OSError(5, f"{src.file} ended inside a tensor (truncated while being read?)")
+                self._write(buf[:got])
+                pos += got
+                left -= got
         finally:
             os.close(fd)
 
