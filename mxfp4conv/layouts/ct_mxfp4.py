@@ -6,11 +6,6 @@ transformers-v5 fused names (``experts.gate_up_proj_packed`` [E, 2I, H/2], gate 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    pass
-
 from mxfp4conv.canonical import Canonical, FP4Weight, MoELayer, UnitSpec
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts import ct_common
@@ -68,12 +63,12 @@ def plan(ckpt: Checkpoint) -> Plan:
 
 
 def read(ckpt: Checkpoint, spec: UnitSpec, *, pin: bool = False) -> Canonical:
-    import torch
+    """One unit in canonical form (fused transformers-v5 experts as stored; split names through the
+    shared reader, which stacks them, into pinned memory with ``pin``)."""
     if spec.kind == "moe" and spec.extra.get("fused"):
         t = ckpt.tensors
         gu, gus, dn, dns = (t[f"{spec.key}.{s}"].load() for s in _FUSED)
         b13 = t[f"{spec.key}.gate_up_proj_bias"].load() if spec.has_bias else None
         b2 = t[f"{spec.key}.down_proj_bias"].load() if spec.has_bias else None
         return MoELayer(spec.key, FP4Weight("mxfp4", gu, gus), FP4Weight("mxfp4", dn, dns), b13, b2)
-    _ = torch  # torch is used by the shared reader
     return read_split_unit(ckpt, spec, ROLES, pin=pin)
