@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = [["bench_requant_cpu.py"], ["bench_marlin.py"], ["bench_convert.py"]]
+SCRIPTS = [["bench_requant_cpu.py"], ["bench_marlin.py"], ["bench_convert.py"], ["probe_hash_cost.py", "--runs", "2"]]
 
 
 def main() -> None:
