@@ -56,6 +56,7 @@ class VerifyReport:
 
 def _diff(name: str, want: torch.Tensor | None, got: torch.Tensor | None) -> dict[str, Any] | None:
     import torch
+
     if want is None and got is None:
         return None
     if want is None or got is None:

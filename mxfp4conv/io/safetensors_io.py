@@ -201,6 +201,7 @@ class TensorRef:
     def read_into(self, out: torch.Tensor) -> None:
         """Read the tensor's bytes into ``out`` (a contiguous CPU tensor of exactly ``nbytes``)."""
         import torch
+
         if not out.is_contiguous() or out.numel() * out.element_size() != self.nbytes:
             raise ValueError(f"{self.name}: destination of {out.numel() * out.element_size()} bytes, need {self.nbytes}")
         if self.nbytes:
@@ -209,6 +210,7 @@ class TensorRef:
     def load(self) -> torch.Tensor:
         """Read the tensor (CPU, own memory), with one copy from the page cache into the tensor."""
         import torch
+
         dtype = torch_dtype(self.dtype)
         raw = torch.empty(self.nbytes, dtype=torch.uint8)
         if self.nbytes:

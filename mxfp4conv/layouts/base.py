@@ -297,6 +297,7 @@ def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, pin: 
     whole result, and a NaN is then traced back to its source tensor. ``pin``: page-locked buffers
     (torch's caching host allocator reuses them unit after unit: no page faults, direct DMA)."""
     import torch
+
     t = ckpt.tensors
     num = len(groups[0])
     refs = [[t[f"{m}.{roles.packed}"] for m in g] for g in groups]
@@ -325,6 +326,7 @@ def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[in
     """uint8 ``[num, sum(rows), cols]`` from 2-D one-byte tensors: group j's module e fills rows
     ``sum(rows[:j]) .. + rows[j]`` of slot e. ``refs`` are group-major (plan checked the shapes)."""
     import torch
+
     first = refs[0]
     cols = first.shape[1]
     out = torch.empty((num, sum(rows), cols), dtype=torch.uint8, pin_memory=pin)
@@ -344,6 +346,7 @@ def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[in
 def _checked_scale(ckpt: Checkpoint, ref: TensorRef, roles: LinearRoles) -> torch.Tensor:
     """NVFP4 E4M3 block scales must not be NaN (0x7F/0xFF): the error names the source tensor."""
     import torch
+
     raw = ref.load()
     if roles.scale_dtype == "F8_E4M3":
         bad = (raw.view(torch.uint8) & 0x7F) == 0x7F
@@ -367,6 +370,7 @@ def _checked_global(ckpt: Checkpoint, ref: TensorRef) -> torch.Tensor:
 def read_split_unit(ckpt: Checkpoint, spec: UnitSpec, roles: LinearRoles, *, pin: bool = False) -> Canonical:
     """One unit's tensors in canonical form; ``pin``: the FP4 stacks in page-locked memory (they go to a GPU)."""
     import torch
+
     t = ckpt.tensors
     if spec.kind == "passthrough":
         return Passthrough(spec.key, t[spec.key].load())

@@ -37,6 +37,7 @@ def detect(ckpt: Checkpoint) -> list[str] | None:
 def deinterleave_rows(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """[g0, u0, g1, u1, ...] -> [g0, g1, ..., u0, u1, ...] along ``dim``."""
     import torch
+
     n = x.shape[dim]
     idx = torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)])
     return x.index_select(dim, idx)
@@ -45,6 +46,7 @@ def deinterleave_rows(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
 def interleave_rows(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """Inverse of ``deinterleave_rows``."""
     import torch
+
     n = x.shape[dim]
     half = n // 2
     idx = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)

@@ -126,11 +126,13 @@ def moe_split_encode(unit: MoELayer) -> list[torch.Tensor]:
 
 def moe_split_decode(spec: UnitSpec, ctx: WriterContext, get: Getter, packed: str, scale: str) -> MoELayer:
     import torch
+
     e_num = spec.dims[0]
     g, u, d = split_names(ctx)
 
     def stack(proj: str, suffix: str) -> torch.Tensor:
         import torch
+
         return torch.stack([get(f"{spec.key}.{e}.{proj}.{suffix}") for e in range(e_num)])
 
     w13 = FP4Weight("mxfp4", torch.cat([stack(g, packed), stack(u, packed)], 1),

@@ -56,6 +56,7 @@ class GptOssTarget(Target):
 
     def encode(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> list[torch.Tensor]:
         import torch
+
         if not isinstance(unit, MoELayer):
             return super().encode(unit, spec, ctx)
         e, h, i = spec.dims

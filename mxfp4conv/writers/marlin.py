@@ -187,6 +187,7 @@ class MarlinTarget(Target):
 
     def slice_for_rank(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> Canonical:
         import torch
+
         tp, rank, _, keep = _opts(ctx)
         if isinstance(unit, MoELayer):
             geo = _geo(spec, ctx)
@@ -357,6 +358,7 @@ def _check_one_global(part: MoELayer, spec: UnitSpec) -> None:
 
 def _take_rows(w: FP4Weight, rows: torch.Tensor) -> FP4Weight:
     import torch
+
     g = w.global_rows.index_select(-1, rows) if w.global_rows is not None else None
     return FP4Weight(w.quant, w.packed.index_select(-2, rows), w.scales.view(torch.uint8).index_select(-2, rows).view(w.scales.dtype),
                      g, w.global_is_divisor)

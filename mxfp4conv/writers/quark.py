@@ -95,6 +95,7 @@ class QuarkTarget(SplitTarget):
 
             def stack(s: str) -> torch.Tensor:
                 import torch
+
                 return torch.stack([get(f"{spec.key}.{e}.{s}") for e in range(e_num)])
 
             w13 = FP4Weight("mxfp4", deinterleave_rows(stack("w13_weight")), deinterleave_rows(stack("w13_weight_scale")))
