@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from mxfp4conv.canonical import FP4Weight
-from mxfp4conv.formats.fp4 import E2M1_POS_VALUES, F4_E2M1_MAX, e4m3_decode
+from mxfp4conv.formats.fp4 import E2M1_POS_VALUES, F4_E2M1_MAX, e4m3_decode, unpack_nibbles
 from mxfp4conv.formats.mxfp4 import (
     MX_BLOCK,
     ScaleRule,
@@ -43,10 +43,12 @@ from mxfp4conv.formats.mxfp4 import (
     scale_exponent,
 )
 from mxfp4conv.formats.nvfp4 import dequantize_nvfp4, validate_nvfp4_scales
+from mxfp4conv.kernels import requant_native
 
 __all__ = [
     "ROW_STATS",
     "RequantStats",
+    "requant_groups",
     "requant_nvfp4_to_mxfp4",
     "requant_rows_cpu",
     "requant_rows_reference",
@@ -173,10 +175,18 @@ def requant_rows_reference(
     ``requant_rows_cpu``; the tests and the benchmark use it as the reference."""
     k = _check_rows(packed, scales_e4m3, global_rows)
     x = dequantize_nvfp4(packed, scales_e4m3, global_rows, divisor=divisor)
-    out, scales, st = quantize_mxfp4_with_stats(x, rule)
+    out, scales, st = quantize_mxfp4_with_stats(x, rule, requant_groups(packed))
     if k == 0:
         return out, scales, torch.zeros(packed.shape[0], 5, dtype=torch.float64)
     return out, scales, _row_stats(st.sq_err, st.signal, st.max_abs_err, st.clipped, st.exact)
+
+
+def requant_groups(packed: torch.Tensor) -> torch.Tensor:
+    """Group id of every element of NVFP4 rows ``[R, K/2]`` -> uint8 ``[R, K]``: ``half * 8 +
+    magnitude code``, half = which 16-element NVFP4 block of its 32-block (``block_sum``)."""
+    mag = unpack_nibbles(packed) & 7
+    half = (torch.arange(mag.shape[-1]) % MX_BLOCK >= 16).to(torch.uint8) * 8
+    return mag | half
 
 
 # ----------------------------------------------------------------------------- CPU fast path
@@ -248,15 +258,16 @@ def _cand_tab(
     return r, u.mul_(u)
 
 
-def _gather_sum(
-    tab: torch.Tensor, idx: torch.Tensor, ws: _Workspace, want_max: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Terms [nb, 32] of a table [nb, 16] at the flat int32 indices ``idx`` [nb * 32] -> per block,
-    (their sum over positions 0..31 in order (CPU cumsum is a sequential scan), their max)."""
-    nb = tab.shape[0]
-    g = torch.index_select(tab.view(-1), 0, idx, out=ws("g", (nb * 32,), torch.float64)).view(nb, 32)
-    total = torch.cumsum(g, 1, out=ws("cs", (nb, 32), torch.float64))[:, -1].clone()
-    return total, (g.amax(1) if want_max else None)
+def _fold(tab: torch.Tensor, cnt: torch.Tensor, ws: _Workspace, tag: str) -> torch.Tensor:
+    """Block sums of a table [nb, 16] weighted by its element counts [nb, 16] (float64): the exact
+    products ``n * t`` added in group order 0..15 (CPU cumsum is a left-to-right scan)."""
+    terms = torch.mul(tab, cnt, out=ws("t" + tag, tuple(tab.shape), torch.float64))
+    return torch.cumsum(terms, 1, out=ws("cs", tuple(tab.shape), torch.float64))[:, -1].clone()
+
+
+def _present_max(tab: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    """Per block, the max of the table entries [nb, 16] that occur (tab >= 0)."""
+    return torch.where(present, tab, 0.0).amax(1)
 
 
 def _slab(
@@ -288,6 +299,9 @@ def _slab(
     torch.add(base, lo, out=idx[..., 0])
     torch.add(base, hi, out=idx[..., 1])
     flat = idx.view(-1)
+    counts = torch.bincount(flat, minlength=nb * 16).view(nb, 16)  # elements per (block, group)
+    cnt = ws("cnt", (nb, 16), f64).copy_(counts)
+    present = counts != 0
     a64 = ws("a64", (nb, 16), f64).copy_(at)
     if rule is ScaleRule.MSE:
         er = rceil_exponent(amax) + 127  # scale bytes of the two candidates, clamped; zero blocks 127
@@ -296,22 +310,19 @@ def _slab(
         ra, ua = _cand_tab(at, ebits, ea, ws, "a")
         rb, ub = _cand_tab(at, ebits, eb, ws, "b")
         sa, sb = _SQ64.index_select(0, ea), _SQ64.index_select(0, eb)  # 4^e commutes with rounding
-        err_a, mx_a = _gather_sum(ua, flat, ws, True)
-        err_b, mx_b = _gather_sum(ub, flat, ws, True)
-        assert mx_a is not None and mx_b is not None
-        err_a, err_b = err_a.mul_(sa), err_b.mul_(sb)
+        err_a = _fold(ua, cnt, ws, "a").mul_(sa)
+        err_b = _fold(ub, cnt, ws, "b").mul_(sb)
         pick = err_b < err_a
         e = torch.where(pick, eb, ea)
-        err, mx = torch.where(pick, err_b, err_a), torch.where(pick, mx_b.mul_(sb), mx_a.mul_(sa))
+        err = torch.where(pick, err_b, err_a)
+        mx = torch.where(pick, _present_max(ub, present).mul_(sb), _present_max(ua, present).mul_(sa))
         rtab = torch.where(pick[:, None], rb, ra, out=ws("rt", (nb, 16), f32))
     else:
         e = scale_exponent(amax, rule) + 127
         rtab, u = _cand_tab(at, ebits, e, ws, "a")
         s4 = _SQ64.index_select(0, e)
-        err, mx_e = _gather_sum(u, flat, ws, True)
-        assert mx_e is not None
-        err, mx = err.mul_(s4), mx_e.mul_(s4)
-    sig, _ = _gather_sum(a64.mul_(a64), flat, ws, False)
+        err, mx = _fold(u, cnt, ws, "a").mul_(s4), _present_max(u, present).mul_(s4)
+    sig = _fold(a64.mul_(a64), cnt, ws, "s")
     key = torch.bitwise_right_shift(rtab.view(i32), 22, out=ws("c", (nb, 16), i32))
     ctab = torch.index_select(_CODE_LUT, 0, key.view(-1), out=ws("ct", (nb * 16,), u8))
     codes = torch.index_select(ctab, 0, flat, out=ws("co", (nb * 32,), u8)).view(nb16, 8, 2)
@@ -369,19 +380,30 @@ def requant_rows_cpu(
     row_stats = torch.zeros(r, 5, dtype=torch.float64)
     if r == 0 or k == 0:
         return out, scales_out, row_stats
-    s = e4m3_decode(scales_e4m3)
-    g = global_rows.float()
+    s = e4m3_decode(scales_e4m3).contiguous()
+    g = global_rows.float().contiguous()
     step = max(1, _SLAB_WEIGHTS // k)
+    kern = requant_native.load()
+    if kern is not None:
+        packed = packed.contiguous()
+        addrs = (packed.data_ptr(), s.data_ptr(), g.data_ptr())
+        outs = (out.data_ptr(), scales_out.data_ptr(), row_stats.data_ptr())
+        kh = k // 2
 
-    local = threading.local()
+        def work(r0: int) -> None:
+            assert kern is not None
+            kern.rows(*addrs, r0, min(r, r0 + step), kh, divisor, rule.value, *outs)
 
-    def work(r0: int) -> None:
-        ws = getattr(local, "ws", None)
-        if ws is None:
-            ws = local.ws = _Workspace()
-        r1 = min(r, r0 + step)
-        dest = (out[r0:r1], scales_out[r0:r1], row_stats[r0:r1])
-        _slab(packed[r0:r1].contiguous(), s[r0:r1], g[r0:r1], divisor, rule, ws, dest)
+    else:
+        local = threading.local()
+
+        def work(r0: int) -> None:
+            ws = getattr(local, "ws", None)
+            if ws is None:
+                ws = local.ws = _Workspace()
+            r1 = min(r, r0 + step)
+            dest = (out[r0:r1], scales_out[r0:r1], row_stats[r0:r1])
+            _slab(packed[r0:r1].contiguous(), s[r0:r1], g[r0:r1], divisor, rule, ws, dest)
 
     n_threads = threads or int(os.environ.get("MXFP4CONV_CPU_THREADS", "0")) or torch.get_num_threads()
     starts = range(0, r, step)

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,6 +24,7 @@ import mxfp4conv.requant as rq
 from mxfp4conv.canonical import FP4Weight
 from mxfp4conv.formats.mxfp4 import ScaleRule
 from mxfp4conv.formats.nvfp4 import MAX_REQUANT_MAGNITUDE
+from mxfp4conv.kernels import requant_native
 from mxfp4conv.requant import (
     RequantStats,
     requant_nvfp4_to_mxfp4,
@@ -64,6 +70,32 @@ def adversarial_nvfp4(divisor: bool) -> tuple[torch.Tensor, torch.Tensor, torch.
     return packed[ok], sc[ok].view(torch.float8_e4m3fn), g[ok]
 
 
+@contextmanager
+def cpu_kernel(mode: str) -> Iterator[None]:
+    """Run ``requant_rows_cpu`` with ``MXFP4CONV_CPU_KERNEL=mode`` (native: the compiled kernel,
+    which must build here; torch: the eager-torch table path)."""
+    old = os.environ.get("MXFP4CONV_CPU_KERNEL")
+    os.environ["MXFP4CONV_CPU_KERNEL"] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["MXFP4CONV_CPU_KERNEL"]
+        else:
+            os.environ["MXFP4CONV_CPU_KERNEL"] = old
+
+
+def both_cpu_paths(*args: Any, **kw: Any) -> tuple[torch.Tensor, ...]:
+    """``requant_rows_cpu(*args)`` on the compiled kernel and on the torch path: they must agree
+    bit for bit; returns the result."""
+    with cpu_kernel("native"):
+        nat = requant_rows_cpu(*args, **kw)
+    with cpu_kernel("torch"):
+        tor = requant_rows_cpu(*args, **kw)
+    assert_same(nat, tor)
+    return nat
+
+
 def assert_same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> None:
     assert torch.equal(a[0], b[0]), "packed bytes differ"
     assert torch.equal(a[1], b[1]), "scale bytes differ"
@@ -74,7 +106,7 @@ def assert_same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> Non
 @pytest.mark.parametrize("rule", RULES, ids=IDS)
 def test_cpu_fast_path_matches_composition(rule: ScaleRule, divisor: bool) -> None:
     for data in (random_nvfp4(24, 512, divisor, seed=1), adversarial_nvfp4(divisor)):
-        fast = requant_rows_cpu(*data, divisor, rule)
+        fast = both_cpu_paths(*data, divisor, rule)
         ref = requant_rows_reference(*data, divisor, rule)
         assert_same(fast, ref)
 
@@ -88,7 +120,7 @@ def test_rows_near_fp32_max_match_composition(rule: ScaleRule) -> None:
     packed[:, ::16] |= 0x07
     sc = torch.full((8, 8), 0x7E, dtype=torch.uint8).view(torch.float8_e4m3fn)  # 448
     g = torch.tensor([3.2e38 / 2688, 3.0e38 / 2688, 3.4e38 / 2688, 2.9e38 / 2688] * 2)
-    fast = requant_rows_cpu(packed, sc, g, False, rule)
+    fast = both_cpu_paths(packed, sc, g, False, rule)
     assert_same(fast, requant_rows_reference(packed, sc, g, False, rule))
     assert bool(torch.isfinite(fast[2]).all())
 
@@ -118,11 +150,11 @@ def test_property_fast_path_equals_composition(
     top = np.float32(6 * 448) * (1 / g if divisor else g).abs().numpy()
     assume(bool(torch.isfinite(g).all()) and bool(np.all(top < MAX_REQUANT_MAGNITUDE)))  # valid input
     data = (packed, sc.view(torch.float8_e4m3fn), g)
-    assert_same(requant_rows_cpu(*data, divisor, rule), requant_rows_reference(*data, divisor, rule))
+    assert_same(both_cpu_paths(*data, divisor, rule), requant_rows_reference(*data, divisor, rule))
 
 
 def test_cpu_path_is_sequential_where_it_matters() -> None:
-    # requant_rows_cpu relies on CPU cumsum being a left-to-right scan (per block, per row).
+    # requant_rows_cpu relies on CPU cumsum being a left-to-right scan (per block's groups, per row).
     t = torch.tensor([1.0] + [2.0**-53] * 31, dtype=torch.float64)
     assert t.cumsum(0)[-1].item() == 1.0 and t.sum().item() != 1.0
 
@@ -134,7 +166,8 @@ def test_row_stats_fold_blocks_sequentially() -> None:
 
     p, s, g = random_nvfp4(6, 4096, False, seed=12)
     _, _, rows = requant_rows_cpu(p, s, g, False, ScaleRule.MSE)
-    st = quantize_mxfp4_with_stats(dequantize_nvfp4(p, s, g, divisor=False), ScaleRule.MSE)[2]
+    x = dequantize_nvfp4(p, s, g, divisor=False)
+    st = quantize_mxfp4_with_stats(x, ScaleRule.MSE, rq.requant_groups(p))[2]
     order_matters = False
     for i in range(6):
         sq = sig = 0.0
@@ -149,11 +182,51 @@ def test_row_stats_fold_blocks_sequentially() -> None:
 
 def test_threads_and_slab_sizes_do_not_change_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     data = random_nvfp4(37, 256, False, seed=2)
-    base = requant_rows_cpu(*data, False, ScaleRule.MSE, threads=1)
-    assert_same(requant_rows_cpu(*data, False, ScaleRule.MSE, threads=2), base)
+    base = both_cpu_paths(*data, False, ScaleRule.MSE, threads=1)
+    assert_same(both_cpu_paths(*data, False, ScaleRule.MSE, threads=2), base)
     for slab in (1, 256 * 5, 1 << 20):
         monkeypatch.setattr(rq, "_SLAB_WEIGHTS", slab)
-        assert_same(requant_rows_cpu(*data, False, ScaleRule.MSE, threads=3), base)
+        assert_same(both_cpu_paths(*data, False, ScaleRule.MSE, threads=3), base)
+
+
+def test_native_kernel_builds_and_is_used(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """This machine has a C compiler: auto mode builds the kernel into the cache and runs it
+    (the torch path is not called); torch mode never builds it."""
+    monkeypatch.setenv("MXFP4CONV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(requant_native, "_kernel", None)
+    monkeypatch.setattr(requant_native, "_error", None)
+    monkeypatch.setenv("MXFP4CONV_CPU_KERNEL", "torch")
+    assert requant_native.load() is None and not (tmp_path / "cache").exists()
+    monkeypatch.setenv("MXFP4CONV_CPU_KERNEL", "auto")
+    calls: list[int] = []
+    monkeypatch.setattr(rq, "_slab", lambda *a: calls.append(1))
+    out = requant_rows_cpu(*random_nvfp4(4, 64, False, seed=3), False, ScaleRule.MSE)
+    kern = requant_native.load()
+    assert kern is not None and kern.path.parent == tmp_path / "cache" and not calls
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [kern.path.name]  # no temporary left
+    assert out[1].numel() == 8 and bool((out[2][:, 1] > 0).all())
+
+
+def test_no_compiler_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Without a C compiler, auto mode runs the torch path (same bytes) and native mode fails in one
+    line; a bad mode is refused."""
+    monkeypatch.setenv("MXFP4CONV_CACHE_DIR", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no cc / gcc / clang
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(requant_native, "_kernel", None)
+    monkeypatch.setattr(requant_native, "_error", None)
+    data = random_nvfp4(5, 128, True, seed=4)
+    monkeypatch.setenv("MXFP4CONV_CPU_KERNEL", "auto")
+    got = requant_rows_cpu(*data, True, ScaleRule.MSE)
+    assert requant_native.load() is None and "no C compiler" in (requant_native.build_error() or "")
+    with cpu_kernel("torch"):
+        assert_same(got, requant_rows_cpu(*data, True, ScaleRule.MSE))
+    monkeypatch.setenv("MXFP4CONV_CPU_KERNEL", "native")
+    with pytest.raises(OSError, match="MXFP4CONV_CPU_KERNEL=native but the CPU kernel cannot be built"):
+        requant_rows_cpu(*data, True, ScaleRule.MSE)
+    monkeypatch.setenv("MXFP4CONV_CPU_KERNEL", "fast")
+    with pytest.raises(ValueError, match="use auto, native or torch"):
+        requant_native.load()
 
 
 def nvfp4_weight(e: int, n: int, k: int, divisor: bool, seed: int) -> FP4Weight:

@@ -2,7 +2,7 @@
 
 Implements the scale rules and block statistics of docs/NUMERICS.md ("MXFP4 quantization", "Requant
 statistics") bit for bit. Everything is vectorized over blocks; the only Python loops run over the 32
-positions of a block, for the fixed-order (sequential) float64 sums the contract prescribes.
+positions (and 16 groups) of a block, for the fixed-order float64 sums the contract prescribes.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ __all__ = [
     "ZERO_BLOCK_SCALE_BYTE",
     "BlockStats",
     "ScaleRule",
+    "block_sum",
     "dequantize_mxfp4",
     "quantize_mxfp4",
     "quantize_mxfp4_with_stats",
@@ -57,8 +58,8 @@ class ScaleRule(str, Enum):
 class BlockStats(NamedTuple):
     """Per-block statistics, each ``[..., K/32]``.
 
-    ``sq_err`` / ``signal``: float64 sums over the block of ``(x - dq)^2`` / ``x^2``, accumulated
-    sequentially over positions 0..31; ``max_abs_err``: float64 ``max |x - dq|``; ``clipped``: bool,
+    ``sq_err`` / ``signal``: float64 sums over the block of ``(x - dq)^2`` / ``x^2`` in the order of
+    ``block_sum``; ``max_abs_err``: float64 ``max |x - dq|``; ``clipped``: bool,
     ``amax * 2^-e > 6``; ``exact``: bool, every requantized value equals its source.
     """
 
@@ -75,6 +76,25 @@ def sequential_sum(t: torch.Tensor) -> torch.Tensor:
     for i in range(1, t.shape[-1]):
         acc += t[..., i]
     return acc
+
+
+GROUPS = 16  # group ids of ``block_sum``: 0..15
+
+
+def block_sum(t: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+    """Fixed-order float64 sum of ``t [..., 32]`` over a block -> ``[...]``.
+
+    ``groups`` None: sequentially over positions 0..31 (``sequential_sum``). Otherwise ``groups``
+    (integer ``[..., 32]``, values 0..15) splits the block: each group's terms are summed sequentially
+    over positions, then the 16 group sums are added in group order 0..15. For NVFP4 sources the group
+    of an element is ``half * 8 + magnitude code`` (NUMERICS.md): a group's terms are all equal, so its
+    sum ``n * t`` is exact and only the 16 group sums round.
+    """
+    if groups is None:
+        return sequential_sum(t)
+    onehot = groups[..., None] == torch.arange(GROUPS, device=t.device)  # [..., 32, 16]
+    per_group = torch.where(onehot, t[..., None], 0.0)  # adding 0.0 is exact
+    return sequential_sum(sequential_sum(per_group.transpose(-1, -2)))
 
 
 def _clamp(e: torch.Tensor) -> torch.Tensor:
@@ -111,24 +131,28 @@ def scale_exponent(amax: torch.Tensor, rule: ScaleRule) -> torch.Tensor:
     return torch.where(amax == 0, 0, _clamp(e)).to(torch.int32)
 
 
-def _candidate(a: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _candidate(
+    a: torch.Tensor, e: torch.Tensor, groups: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """|x| [..., NB, 32] under exponents e [..., NB] -> (magnitude codes u8, d = |x| - dq f64, err f64)."""
     mag = e2m1_encode(a * pow2_float32(-e)[..., None])  # a >= +0, so no sign bit
     dq = e2m1_decode(mag).double() * pow2_float64(e)[..., None]
     d = a.double() - dq
-    return mag, d, sequential_sum(d * d)
+    return mag, d, block_sum(d * d, groups)
 
 
 def quantize_mxfp4_with_stats(
-    x: torch.Tensor, rule: ScaleRule = ScaleRule.MSE
+    x: torch.Tensor, rule: ScaleRule = ScaleRule.MSE, groups: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, BlockStats]:
     """float32 ``[..., K]`` (K % 32 == 0, finite) -> (packed u8 ``[..., K/2]``, E8M0 u8 ``[..., K/32]``,
     per-block ``BlockStats`` ``[..., K/32]``).
 
     Per block: amax = max |x|; exponent by ``rule`` (clamped to [-127, 127]; all-zero blocks 2^0);
     q = x * 2^-e; code = E2M1 RNE encode of q, sign = signbit(x). MSE tries RCEIL and RCEIL-1 (both
-    clamped) and keeps RCEIL-1 only if its sequential float64 squared error is strictly lower. The
-    error uses the exact dequantized value e2m1(code) * 2^e in float64.
+    clamped) and keeps RCEIL-1 only if its float64 squared error is strictly lower. The error uses
+    the exact dequantized value e2m1(code) * 2^e in float64. Block sums (squared error, signal) are
+    ``block_sum(..., groups)``: sequential over positions without ``groups`` (integer ``[..., K]``,
+    0..15 within each block), grouped with them (the NVFP4 requant contract).
     """
     rule = ScaleRule(rule)
     if x.dtype != torch.float32:
@@ -137,6 +161,7 @@ def quantize_mxfp4_with_stats(
     if k % MX_BLOCK:
         raise ValueError(f"last dim {k} is not a multiple of {MX_BLOCK}")
     xb = x.reshape(*x.shape[:-1], k // MX_BLOCK, MX_BLOCK)
+    gb = None if groups is None else groups.reshape(xb.shape)
     a = xb.abs()
     amax = a.amax(-1)
     if not bool(torch.isfinite(amax).all()):
@@ -146,8 +171,8 @@ def quantize_mxfp4_with_stats(
         er = rceil_exponent(amax)
         ea = torch.where(zero, 0, _clamp(er))
         eb = torch.where(zero, 0, _clamp(er - 1))
-        mag_a, d_a, err_a = _candidate(a, ea)
-        mag_b, d_b, err_b = _candidate(a, eb)
+        mag_a, d_a, err_a = _candidate(a, ea, gb)
+        mag_b, d_b, err_b = _candidate(a, eb, gb)
         pick = err_b < err_a
         e = torch.where(pick, eb, ea)
         mag = torch.where(pick[..., None], mag_b, mag_a)
@@ -155,12 +180,12 @@ def quantize_mxfp4_with_stats(
         err = torch.where(pick, err_b, err_a)
     else:
         e = scale_exponent(amax, rule)
-        mag, d, err = _candidate(a, e)
+        mag, d, err = _candidate(a, e, gb)
     codes = (mag | (torch.signbit(xb).to(torch.uint8) << 3)).reshape(x.shape)
     a64 = a.double()
     stats = BlockStats(
         sq_err=err,
-        signal=sequential_sum(a64 * a64),
+        signal=block_sum(a64 * a64, gb),
         max_abs_err=d.abs().amax(-1),
         clipped=amax.double() * pow2_float64(-e) > F4_E2M1_MAX,
         exact=err == 0,

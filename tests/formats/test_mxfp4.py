@@ -2,7 +2,8 @@
 
 The reference (``ref_block``) is written independently of the library: Python floats, ``math.frexp``
 / ``struct`` for exponents and bits, a brute-force nearest-grid search for E2M1 (ties to the even
-code), and explicit sequential loops for the sums. The vectorized code must match it bit for bit.
+code), and explicit sequential loops for the sums (per position, or per group then in group order,
+the NVFP4 requant contract). The vectorized code must match it bit for bit.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from mxfp4conv.formats.mxfp4 import (
     ZERO_BLOCK_SCALE_BYTE,
     ScaleRule,
+    block_sum,
     dequantize_mxfp4,
     quantize_mxfp4,
     quantize_mxfp4_with_stats,
@@ -76,14 +78,26 @@ def ref_candidate(xs: list[float], e: int) -> tuple[list[int], list[float]]:
     return mags, ds
 
 
-def ref_seq_sq(vs: list[float]) -> float:
-    s = 0.0
-    for v in vs:
-        s += v * v
-    return s
+def ref_seq_sq(vs: list[float], groups: list[int] | None = None) -> float:
+    """sum of v*v: sequentially over positions, or (groups) per group 0..15, then the group sums in order."""
+    if groups is None:
+        s = 0.0
+        for v in vs:
+            s += v * v
+        return s
+    total = 0.0
+    for gid in range(16):
+        part = 0.0
+        for v, gv in zip(vs, groups, strict=True):
+            if gv == gid:
+                part += v * v
+        total += part
+    return total
 
 
-def ref_block(xs: list[float], rule: str) -> tuple[list[int], int, float, float, float, bool, bool]:
+def ref_block(
+    xs: list[float], rule: str, groups: list[int] | None = None
+) -> tuple[list[int], int, float, float, float, bool, bool]:
     """One 32-block -> (codes, scale byte, sq_err, signal, max_abs_err, clipped, exact)."""
     amax = max(abs(x) for x in xs)
     clamp = lambda e: max(-127, min(127, e))  # noqa: E731
@@ -94,7 +108,7 @@ def ref_block(xs: list[float], rule: str) -> tuple[list[int], int, float, float,
         ea, eb = clamp(ref_exponent(amax, "rceil")), clamp(ref_exponent(amax, "rceil") - 1)
         ma, da = ref_candidate(xs, ea)
         mb, db = ref_candidate(xs, eb)
-        if ref_seq_sq(db) < ref_seq_sq(da):
+        if ref_seq_sq(db, groups) < ref_seq_sq(da, groups):
             e, mags, ds = eb, mb, db
         else:
             e, mags, ds = ea, ma, da
@@ -102,19 +116,23 @@ def ref_block(xs: list[float], rule: str) -> tuple[list[int], int, float, float,
         e = clamp(ref_exponent(amax, rule))
         mags, ds = ref_candidate(xs, e)
     codes = [m | (8 if math.copysign(1.0, x) < 0 else 0) for m, x in zip(mags, xs, strict=True)]
-    sq = ref_seq_sq(ds)
-    return (codes, e + 127, sq, ref_seq_sq(xs), max(abs(d) for d in ds),
+    sq = ref_seq_sq(ds, groups)
+    return (codes, e + 127, sq, ref_seq_sq(xs, groups), max(abs(d) for d in ds),
             amax * 2.0**-e > 6.0, all(d == 0 for d in ds))  # fmt: skip
 
 
-def check_against_reference(x: np.ndarray, rule: ScaleRule) -> None:
-    """x float32 [B, 32*n]; every field of every block must equal the reference bit for bit."""
-    packed, scales, st = quantize_mxfp4_with_stats(torch.from_numpy(x), rule)
+def check_against_reference(x: np.ndarray, rule: ScaleRule, groups: np.ndarray | None = None) -> None:
+    """x float32 [B, 32*n] (groups: int [B, 32*n] in 0..15 or None); every field of every block must
+    equal the reference bit for bit."""
+    tg = None if groups is None else torch.from_numpy(groups)
+    packed, scales, st = quantize_mxfp4_with_stats(torch.from_numpy(x), rule, tg)
     codes = torch.stack((packed & 15, packed >> 4), -1).reshape(x.shape).numpy()
     xb = x.reshape(x.shape[0], -1, 32)
+    gb = None if groups is None else groups.reshape(x.shape[0], -1, 32)
     for i in range(xb.shape[0]):
         for j in range(xb.shape[1]):
-            want = ref_block([float(v) for v in xb[i, j]], rule.value)
+            gl = None if gb is None else [int(v) for v in gb[i, j]]
+            want = ref_block([float(v) for v in xb[i, j]], rule.value, gl)
             got = (codes[i, 32 * j : 32 * j + 32].tolist(), int(scales[i, j]), float(st.sq_err[i, j]),
                    float(st.signal[i, j]), float(st.max_abs_err[i, j]), bool(st.clipped[i, j]),
                    bool(st.exact[i, j]))  # fmt: skip
@@ -177,6 +195,24 @@ def test_matches_reference_adversarial(rule: ScaleRule) -> None:
 @pytest.mark.parametrize("rule", RULES, ids=[r.value for r in RULES])
 def test_matches_reference_random(rule: ScaleRule) -> None:
     check_against_reference(random_blocks(3), rule)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.value for r in RULES])
+def test_grouped_sums_match_reference(rule: ScaleRule) -> None:
+    """The requant contract's grouped block sums (arbitrary groups here, so that unequal terms share
+    a group too) against the reference's explicit loops."""
+    x = np.concatenate([random_blocks(4, k=64), adversarial_blocks()])
+    groups = np.random.default_rng(5).integers(0, 16, x.shape).astype(np.uint8)
+    check_against_reference(x, rule, groups)
+
+
+def test_grouped_and_sequential_sums_differ() -> None:
+    # 1, then 31 * 2^-53 in another group: sequentially each add rounds back to 1; grouped, the
+    # small terms add up exactly first.
+    t = torch.tensor([[1.0] + [2.0**-53] * 31], dtype=torch.float64)
+    g = torch.tensor([[1] + [0] * 31])
+    assert block_sum(t, None).item() == 1.0
+    assert block_sum(t, g).item() == 1.0 + 31 * 2.0**-53
 
 
 def test_scale_bytes_golden() -> None:

@@ -1,0 +1,229 @@
+/* NVFP4 -> MXFP4 requantization of rows on the CPU: the row-level contract of docs/NUMERICS.md,
+ * byte for byte and bit for bit the same as mxfp4conv.requant.requant_rows_cpu's torch path and the
+ * GPU kernel. Built and loaded by mxfp4conv/kernels/requant_native.py (ctypes; it releases the GIL,
+ * so Python threads run slabs of rows in parallel).
+ *
+ * Compiled with -ffp-contract=off and without -ffast-math: every float operation below is one IEEE
+ * operation, rounded to its own type (x86-64 SSE2 / AArch64: FLT_EVAL_METHOD 0).
+ *
+ * Per 32-block (two 16-element NVFP4 halves h, scale s_h; second-level scale g of the row): only 16
+ * values occur, |x|[h*8 + m] = RN(RN(e2m1[m] * |s_h|) (*|/) |g|) for magnitude code m, so the float
+ * work runs on that 16-entry table; per element only its group h*8 + m is counted and its new code
+ * looked up. Block sums are sum_t n_t * term_t in group order t = 0..15 (n_t * term_t is exact).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static const float POS8[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* E2M1 grid value (0, 0.5, 1, 1.5, 2, 3, 4, 6) -> magnitude code, by its float32 bits >> 22
+ * (0, 252, 254..259). */
+static const uint8_t CODE_LUT[260] = {[252] = 1, [254] = 2, [255] = 3, [256] = 4,
+                                      [257] = 5, [258] = 6, [259] = 7};
+
+/* 2^k as float32 for k in [-127, 127] (2^-127 is the subnormal 0x00400000). */
+static inline float pow2f(int k) { return u2f(k >= -126 ? (uint32_t)(k + 127) << 23 : 0x00400000u); }
+
+/* 2^k as float64 for k in [-1022, 1023]. */
+static inline double pow2d(int k) {
+    uint64_t b = (uint64_t)(k + 1023) << 52;
+    double d;
+    memcpy(&d, &b, 8);
+    return d;
+}
+
+/* 6 * 2^e as float32 for e in [-127, 127]: 1.5 * 2^(e + 2); +inf for e >= 126 (above FLT_MAX). */
+static inline float six_pow2f(int e) {
+    return e >= 126 ? u2f(0x7F800000u) : u2f(((uint32_t)(e + 129) << 23) | 0x400000u);
+}
+
+/* frexp of a finite amax > 0: amax = m * 2^x, m in [0.5, 1); returns x, sets *above = (m > 0.75). */
+static inline int frexp_pos(float amax, int *above) {
+    uint32_t b = f2u(amax);
+    if (b >= 0x800000u) {
+        *above = (b & 0x7FFFFFu) > 0x400000u;
+        return (int)(b >> 23) - 126;
+    }
+    int x;
+    float m = frexpf(amax, &x); /* subnormal amax: rare, exact */
+    *above = m > 0.75f;
+    return x;
+}
+
+/* Smallest integer e with amax <= 6 * 2^e (amax > 0, finite). Unclamped. */
+static inline int rceil_exp(float amax) {
+    int above;
+    int x = frexp_pos(amax, &above);
+    return x - 3 + above;
+}
+
+static inline int clamp_e(int e) { return e < -127 ? -127 : (e > 127 ? 127 : e); }
+
+/* FLOOR (0) / EVEN (1) / RCEIL (2) exponent, clamped; 0 for an all-zero block. */
+static int scale_exp(float amax, int rule) {
+    int e, above;
+    if (amax == 0.0f) return 0;
+    if (rule == 0) {
+        e = frexp_pos(amax, &above) - 3;
+    } else if (rule == 1) {
+        uint32_t ef = ((f2u(amax) + 0x200000u) & 0x7F800000u) >> 23;
+        e = ef == 0 ? -127 : (ef == 0xFF ? 127 : (int)ef - 129);
+    } else {
+        e = rceil_exp(amax);
+    }
+    return clamp_e(e);
+}
+
+/* One candidate exponent e over the 16-entry table (|x| values at, their bits ab): grid magnitudes
+ * r[t] and u[t] = (q - r)^2 with q = |x| * 2^-e, rounded to the E2M1 grid by adding and subtracting
+ * c = 2^(max(floor(log2 q), 0) + 22) (ties to even), saturated at 6. The same operations as
+ * requant._cand_tab; written as flat loops over 16 lanes so that the compiler vectorizes them. */
+static inline void cand(const float *at, const uint32_t *ab, int e, float *r, double *u) {
+    const float inv = pow2f(-e);
+    const int32_t coff = (22 - e) * (1 << 23), cmin = (127 + 22) * (1 << 23);
+    float q[16], cf[16], d[16];
+    int32_t c[16];
+    for (int t = 0; t < 16; t++) q[t] = at[t] * inv;
+    for (int t = 0; t < 16; t++) {
+        const int32_t x = (int32_t)(ab[t] & 0x7F800000u) + coff;
+        c[t] = x < cmin ? cmin : x;
+    }
+    memcpy(cf, c, sizeof cf);
+    for (int t = 0; t < 16; t++) {
+        float y = (q[t] + cf[t]) - cf[t];
+        y = y > 6.0f ? 6.0f : y;
+        r[t] = y;
+        d[t] = q[t] - y;
+    }
+    for (int t = 0; t < 16; t++) u[t] = (double)d[t] * (double)d[t];
+}
+
+/* sum_t n_t * tab_t in order t = 0..15 (the products are exact; only the adds round). The entries of
+ * magnitude 0 (t = 0 and 8) are exactly +0 in every table folded here (|x| = 0 is reproduced
+ * exactly), and adding +0 to a sum >= +0 changes nothing, so they are skipped. */
+static inline double fold(const double *tab, const double *n) {
+    double acc = tab[1] * n[1];
+    for (int t = 2; t < 8; t++) acc += tab[t] * n[t];
+    for (int t = 9; t < 16; t++) acc += tab[t] * n[t];
+    return acc;
+}
+
+static inline double dmax(double a, double b) { return a > b ? a : b; }
+
+/* max of tab[t] (finite, >= 0) over the entries that occur (pm[t] = 1.0, else 0.0; the products are
+ * exact); max is exact, so a tree is fine. */
+static inline double present_max(const double *tab, const double *pm) {
+    double v[16];
+    for (int t = 0; t < 16; t++) v[t] = tab[t] * pm[t];
+    for (int w = 8; w >= 1; w >>= 1)
+        for (int t = 0; t < w; t++) v[t] = dmax(v[t], v[t + w]);
+    return v[0];
+}
+
+/* rows [r0, r1): packed u8 [R, kh], s f32 [R, kh/8] (decoded E4M3), g f32 [R];
+ * out u8 [R, kh], scales_out u8 [R, kh/16], row_stats f64 [R, 5]. rule: 0 FLOOR 1 EVEN 2 RCEIL 3 MSE. */
+int mxfp4conv_requant_rows(const uint8_t *packed, const float *s, const float *g, int64_t r0, int64_t r1,
+                           int64_t kh, int divisor, int rule, uint8_t *out, uint8_t *scales_out,
+                           double *row_stats) {
+    const int64_t nb = kh / 16;
+    for (int64_t row = r0; row < r1; row++) {
+        const float gv = g[row];
+        const float ga = fabsf(gv);
+        const int gneg = signbit(gv) != 0;
+        double rsq = 0.0, rsig = 0.0, rmx = 0.0, rclip = 0.0, rexact = 0.0;
+        for (int64_t j = 0; j < nb; j++) {
+            const uint8_t *pb = packed + row * kh + j * 16;
+            uint8_t *ob = out + row * kh + j * 16;
+            const float *sv = s + row * (kh / 8) + 2 * j;
+            /* The table: |x| of magnitude m in half h at t = h * 8 + m (non-decreasing in m). */
+            float at[16], p[16];
+            for (int t = 0; t < 16; t++) p[t] = POS8[t & 7] * fabsf(sv[t >> 3]);
+            if (divisor)
+                for (int t = 0; t < 16; t++) at[t] = p[t] / ga;
+            else
+                for (int t = 0; t < 16; t++) at[t] = p[t] * ga;
+            uint32_t ab[16];
+            memcpy(ab, at, sizeof ab);
+            /* Element counts per entry: 8 counters of 8 bits per half (at most 16 each). */
+            uint64_t c8[2] = {0, 0};
+            for (int i = 0; i < 16; i++) {
+                const unsigned b = pb[i];
+                c8[i >> 3] += (1ull << ((b & 7) * 8)) + (1ull << (((b >> 4) & 7) * 8));
+            }
+            uint8_t cnt[16];
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+            memcpy(cnt, c8, sizeof cnt); /* byte m of c8[h] is the count of magnitude m */
+#else
+            for (int t = 0; t < 16; t++) cnt[t] = (uint8_t)(c8[t >> 3] >> (8 * (t & 7)));
+#endif
+            double n[16], pm[16], a2[16];
+            for (int t = 0; t < 16; t++) n[t] = (double)cnt[t];
+            for (int t = 0; t < 16; t++) pm[t] = cnt[t] ? 1.0 : 0.0;
+            for (int t = 0; t < 16; t++) a2[t] = (double)at[t] * (double)at[t];
+            /* amax: the top occurring magnitude of each half (c8 != 0: 16 elements per half). */
+            const float top0 = at[(63 - __builtin_clzll(c8[0])) >> 3];
+            const float top1 = at[8 + ((63 - __builtin_clzll(c8[1])) >> 3)];
+            const float amax = top0 > top1 ? top0 : top1;
+            float rt[16];
+            double ut[16];
+            int e;
+            double err, mx;
+            if (rule == 3) {
+                const int zero = amax == 0.0f;
+                const int er = zero ? 0 : rceil_exp(amax);
+                const int ea = zero ? 0 : clamp_e(er), eb = zero ? 0 : clamp_e(er - 1);
+                float rb[16];
+                double ub[16];
+                cand(at, ab, ea, rt, ut);
+                cand(at, ab, eb, rb, ub);
+                const double sa4 = pow2d(2 * ea), sb4 = pow2d(2 * eb);
+                const double err_a = fold(ut, n) * sa4, err_b = fold(ub, n) * sb4;
+                if (err_b < err_a) {
+                    e = eb;
+                    err = err_b;
+                    mx = present_max(ub, pm) * sb4;
+                    memcpy(rt, rb, sizeof rt);
+                } else {
+                    e = ea;
+                    err = err_a;
+                    mx = present_max(ut, pm) * sa4;
+                }
+            } else {
+                e = scale_exp(amax, rule);
+                cand(at, ab, e, rt, ut);
+                const double s4 = pow2d(2 * e);
+                err = fold(ut, n) * s4;
+                mx = present_max(ut, pm) * s4;
+            }
+            uint32_t rbits[16];
+            memcpy(rbits, rt, sizeof rbits);
+            uint8_t code[16];
+            for (int t = 0; t < 16; t++) code[t] = CODE_LUT[rbits[t] >> 22];
+            for (int h = 0; h < 2; h++) {
+                const uint8_t flip = ((signbit(sv[h]) != 0) ^ gneg) ? 0x88 : 0;
+                const uint8_t *ch = code + h * 8;
+                for (int i = 0; i < 8; i++) {
+                    const uint8_t b = pb[h * 8 + i];
+                    ob[h * 8 + i] = (uint8_t)((ch[b & 7] | (ch[(b >> 4) & 7] << 4) | (b & 0x88)) ^ flip);
+                }
+            }
+            scales_out[row * nb + j] = (uint8_t)(e + 127);
+            rclip += amax > six_pow2f(e);
+            rexact += err == 0.0;
+            rsq += err;
+            rsig += fold(a2, n);
+            rmx = mx > rmx ? mx : rmx;
+        }
+        double *st = row_stats + row * 5;
+        st[0] = rsq;
+        st[1] = rsig;
+        st[2] = sqrt(rmx);
+        st[3] = rclip;
+        st[4] = rexact;
+    }
+    return 0;
+}
