@@ -6,26 +6,32 @@ so a CPU-only install without triton never touches it.
 
 Design (one program = ``ROWS`` rows, one row per thread, blocks walked in order):
 
-* The contract sums float64 statistics SEQUENTIALLY (per block over i = 0..31, per row over
-  blocks), so a thread owns whole rows and walks its row's 32-blocks in order; the 32 positions of
-  a block are separate registers (the code is unrolled), so the float64 accumulation order is
-  exactly the contract's.
+* The contract's statistics (float64) are block sums over 16 groups (half h, magnitude m) in group
+  order, ``sum n_hm * t_hm`` with exact products, then row sums sequential over blocks; a thread
+  owns whole rows and walks its row's 32-blocks in order, and the group terms are separate registers
+  (the code is unrolled), so the float64 accumulation order is exactly the contract's.
+* Per block only 14 nonzero values occur: ``|x|[h, m] = RN(e2m1[m] * |s_h| (*|/) |g|)``, m = 1..7
+  (m = 0 is 0, exactly reproduced, and contributes +0). All float work (both MSE candidates,
+  statistics) runs on those 14 table entries; per element the kernel only counts its magnitude (a
+  histogram of 4-bit fields per packed word) and looks up its new code (the table's codes packed as
+  4-bit fields of one int32 per half, shifted by 4 * magnitude).
 * Signs never enter the float work: ``|x| = RN(|e2m1| * |s| (*|/) |g|)`` (RN is sign-symmetric) and
   the output sign bit is ``signbit(x) = nibble sign ^ signbit(s) ^ signbit(g)`` (IEEE sign rule,
   zeros included), applied to 8 codes at once with one XOR per packed word.
-* Per element: the E2M1 magnitude goes to fp32 bits 22..24, which reads as ``e2m1 * 2^-126``
-  (code 1 is the subnormal 2^-127), so an exact multiply by 2^126 gives the value; the e4m3 product
-  is exact; one rounding by the second-level scale: multiply, or a true IEEE division (Triton's
-  ``/`` is approximate and libdevice's ``div_rn`` is linked with flush-to-zero): PTX
-  ``div.rn.f32``, or, when every |g| of the program is in [2^-100, 2^100], Markstein's exact
-  correction from the per-row ``RN(1/|g|)`` (3 instructions instead of ~10).
-* E2M1 rounding is one fp32 FMA: ``y = RN(|x| * 2^-e + M)`` with M = 2^22, 2^23 or 2^24 (grid step
-  0.5, 1, 2 for |q| < 2, [2, 4), >= 4) rounds |q| to the grid, ties to even; the low bits of y give
-  the code. ``|x| * 2^-e`` is exact except when it underflows, and then it is far below half an ulp
-  of M, so the fused and unfused forms agree.
-* ``d = |x| - dq = fma(r, -2^e, |x|)`` is exact (Sterbenz; the fused product does not overflow for
-  e = 127, where dq = 2^128 does not fit fp32 but d does). d and |x| are 24-bit, so their squares
-  are exact in float64 and ``fma(d, d, s) == RN(s + d*d)``: the contract's sequential sum.
+* Dequantization: the e4m3 * e2m1 product is exact; one rounding by the second-level scale:
+  multiply, or a true IEEE division (Triton's ``/`` is approximate and libdevice's ``div_rn`` is
+  linked with flush-to-zero): PTX ``div.rn.f32``, or, when every |g| of the program is in
+  [2^-100, 2^100], Markstein's exact correction from the per-row ``RN(1/|g|)`` (3 instructions
+  instead of ~10).
+* E2M1 rounding is one fp32 FMA: ``y = RN(|x| * 2^-e + M)`` with M = 2^(22 + floor(log2 q)) (grid step
+  0.5, 1, 2 for |q| < 2, [2, 4), [4, 8); larger q, possible for a magnitude that does not occur,
+  saturates to code 7 / value 6) rounds |q| to the grid, ties to even; the low bits of y give the
+  code. ``|x| * 2^-e`` is exact except when it underflows, and then it is far below half an ulp of
+  M, so the fused and unfused forms agree.
+* ``d = |x| - dq = fma(r, -2^e, |x|)``: one rounding of the exact difference (exact for values that
+  occur: Sterbenz), |d| <= |x| (no overflow, even for e = 127 where dq = 2^128 does not fit fp32). d
+  and |x| have 24-bit significands, so d^2 and x^2 are exact in float64, and so are ``n * d^2`` and
+  ``n * x^2`` (n <= 16): ``fma(n, d*d, s) == RN(s + n*d*d)``, the contract's group term.
 * Launch with ``enable_fp_fusion=False`` so that no other mul/add pair is contracted.
 """
 
@@ -87,14 +93,23 @@ def _div_fast(p, g_abs, inv_g, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _abs_x(w, P: tl.constexpr, s_abs, g_abs, inv_g, safe,
-           DIVISOR: tl.constexpr, FAST_DIV: tl.constexpr, USE_ASM: tl.constexpr):
-    """|x| of E2M1 nibble ``P`` (0..7, low first) of int32 word ``w``: RN(|e2m1| * |s| (*|/) |g|)."""
-    if 4 * P <= 22:  # noqa: SIM108 (constexpr branches)
-        mag = (w << (22 - 4 * P)) & 0x01C00000
+def _x(M: tl.constexpr, s_abs, g_abs, inv_g, safe,
+       DIVISOR: tl.constexpr, FAST_DIV: tl.constexpr, USE_ASM: tl.constexpr):
+    """|x| of E2M1 magnitude ``M`` (1..7) in a half with block scale |s|: RN(e2m1[M] * |s| (*|/) |g|)."""
+    if M == 1:
+        p = s_abs * 0.5  # exact (an E4M3 times an E2M1 value)
+    elif M == 2:
+        p = s_abs
+    elif M == 3:
+        p = s_abs * 1.5
+    elif M == 4:
+        p = s_abs * 2.0
+    elif M == 5:
+        p = s_abs * 3.0
+    elif M == 6:
+        p = s_abs * 4.0
     else:
-        mag = (w >> (4 * P - 22)) & 0x01C00000
-    p = mag.to(tl.float32, bitcast=True) * 8.507059173023462e37 * s_abs  # exact
+        p = s_abs * 6.0
     if DIVISOR:
         if FAST_DIV:
             if safe:  # noqa: SIM108 (uniform over the program: a branch, not a select)
@@ -109,23 +124,36 @@ def _abs_x(w, P: tl.constexpr, s_abs, g_abs, inv_g, safe,
 
 
 @triton.jit
-def _word_abs(w, s_abs, g_abs, inv_g, safe,
-              DIVISOR: tl.constexpr, FAST_DIV: tl.constexpr, USE_ASM: tl.constexpr):
-    """The 8 |x| of one packed int32 word, in element order."""
-    return (_abs_x(w, 0, s_abs, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM),
-            _abs_x(w, 1, s_abs, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM),
-            _abs_x(w, 2, s_abs, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM),
-            _abs_x(w, 3, s_abs, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM),
-            _abs_x(w, 4, s_abs, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM),
-            _abs_x(w, 5, s_abs, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM),
-            _abs_x(w, 6, s_abs, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM),
-            _abs_x(w, 7, s_abs, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM))
+def _hist(w):
+    """Counts of the 8 magnitudes among the 8 nibbles of word ``w``: 8 fields of 4 bits (at most 8)."""
+    one = tl.full(w.shape, 1, tl.int32)
+    h = one << ((w << 2) & 28)
+    h += one << ((w >> 2) & 28)
+    h += one << ((w >> 6) & 28)
+    h += one << ((w >> 10) & 28)
+    h += one << ((w >> 14) & 28)
+    h += one << ((w >> 18) & 28)
+    h += one << ((w >> 22) & 28)
+    h += one << ((w >> 26) & 28)
+    return h
 
 
 @triton.jit
-def _max8(a0, a1, a2, a3, a4, a5, a6, a7):
-    return tl.maximum(tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3)),
-                      tl.maximum(tl.maximum(a4, a5), tl.maximum(a6, a7)))
+def _n(ha, hb, M: tl.constexpr):
+    """Elements of magnitude ``M`` in a half (its two words' histograms)."""
+    return ((ha >> (4 * M)) & 15) + ((hb >> (4 * M)) & 15)
+
+
+@triton.jit
+def _top(x1, x2, x3, x4, x5, x6, x7, n1, n2, n3, n4, n5, n6, n7):
+    """max |x| over the magnitudes that occur in a half (0 if none but zeros)."""
+    m = tl.where(n1 > 0, x1, 0.0)
+    m = tl.maximum(m, tl.where(n2 > 0, x2, 0.0))
+    m = tl.maximum(m, tl.where(n3 > 0, x3, 0.0))
+    m = tl.maximum(m, tl.where(n4 > 0, x4, 0.0))
+    m = tl.maximum(m, tl.where(n5 > 0, x5, 0.0))
+    m = tl.maximum(m, tl.where(n6 > 0, x6, 0.0))
+    return tl.maximum(m, tl.where(n7 > 0, x7, 0.0))
 
 
 @triton.jit
@@ -168,8 +196,9 @@ def _q(ax, inv, npe, ce, USE_ASM: tl.constexpr):
 
     inv = 2^-e, npe = -2^e, ce = 127 + e (all per block).
     """
-    # Binade of q = |x| * 2^-e above 1 (0 below): q < 12 for every rule and candidate, so reg <= 3;
-    # reg = 3 (q in [8, 12], step 4) still saturates to code 7 / value 6 like reg = 2 would.
+    # Binade of q = |x| * 2^-e above 1 (0 below): q < 12 for the values that occur (reg <= 3), more
+    # for a table entry whose magnitude does not occur; any reg >= 3 (q >= 8, step 2^(reg-1)) gives
+    # y - M in [8, 2^(reg+1)] and a code >= 8: both saturate to code 7 / value 6, as on the CPU.
     reg = tl.maximum((ax.to(tl.int32, bitcast=True) >> 23) - ce, 0)
     mb = (reg << 23) + (149 << 23)  # bits of M = 2^(22 + reg)
     m = mb.to(tl.float32, bitcast=True)
@@ -180,68 +209,73 @@ def _q(ax, inv, npe, ce, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _quant_word(a0, a1, a2, a3, a4, a5, a6, a7, inv, npe, ce, sq, sig, mx,
-                SQ: tl.constexpr, SIG: tl.constexpr, STATS: tl.constexpr, USE_ASM: tl.constexpr):
-    """Codes of 8 elements packed in one word (magnitudes only) and the running statistics.
-
-    With SQ, ``sq`` (float64) accumulates ``d^2``; with STATS, ``mx`` tracks max |d| and, with SIG,
-    ``sig`` accumulates ``x^2``; everything in element order.
-    """
-    c, d = _q(a0, inv, npe, ce, USE_ASM)
-    o = c
-    sq, sig, mx = _acc(a0, d, sq, sig, mx, SQ, SIG, STATS)
-    c, d = _q(a1, inv, npe, ce, USE_ASM)
-    o = o + (c << 4)  # disjoint nibbles: + is |, and a single LEA
-    sq, sig, mx = _acc(a1, d, sq, sig, mx, SQ, SIG, STATS)
-    c, d = _q(a2, inv, npe, ce, USE_ASM)
-    o = o + (c << 8)
-    sq, sig, mx = _acc(a2, d, sq, sig, mx, SQ, SIG, STATS)
-    c, d = _q(a3, inv, npe, ce, USE_ASM)
-    o = o + (c << 12)
-    sq, sig, mx = _acc(a3, d, sq, sig, mx, SQ, SIG, STATS)
-    c, d = _q(a4, inv, npe, ce, USE_ASM)
-    o = o + (c << 16)
-    sq, sig, mx = _acc(a4, d, sq, sig, mx, SQ, SIG, STATS)
-    c, d = _q(a5, inv, npe, ce, USE_ASM)
-    o = o + (c << 20)
-    sq, sig, mx = _acc(a5, d, sq, sig, mx, SQ, SIG, STATS)
-    c, d = _q(a6, inv, npe, ce, USE_ASM)
-    o = o + (c << 24)
-    sq, sig, mx = _acc(a6, d, sq, sig, mx, SQ, SIG, STATS)
-    c, d = _q(a7, inv, npe, ce, USE_ASM)
-    o = o + (c << 28)
-    sq, sig, mx = _acc(a7, d, sq, sig, mx, SQ, SIG, STATS)
-    return o, sq, sig, mx
-
-
-@triton.jit
-def _acc(ax, d, sq, sig, mx, SQ: tl.constexpr, SIG: tl.constexpr, STATS: tl.constexpr):
+def _ent(x, n, M: tl.constexpr, inv, npe, ce, cw, sq, mx,
+         SQ: tl.constexpr, STATS: tl.constexpr, USE_ASM: tl.constexpr):
+    """Table entry ``M`` of a half under one exponent: its code goes to field M of ``cw``; ``sq``
+    (float64) gets ``n * d^2`` (exact product, one rounding: fma), ``mx`` max |d| over entries that
+    occur."""
+    code, d = _q(x, inv, npe, ce, USE_ASM)
+    cw += code << (4 * M)
     if SQ:
         d64 = d.to(tl.float64)
-        sq = tl.fma(d64, d64, sq)
+        sq = tl.fma(n.to(tl.float64), d64 * d64, sq)
     if STATS:
-        mx = tl.maximum(mx, tl.abs(d))
-        if SIG:
-            a64 = ax.to(tl.float64)
-            sig = tl.fma(a64, a64, sig)
-    return sq, sig, mx
+        mx = tl.maximum(mx, tl.where(n > 0, tl.abs(d), 0.0))
+    return cw, sq, mx
 
 
 @triton.jit
-def _cand(x0, x1, x2, x3, inv, npe, ce, sig,
-          SQ: tl.constexpr, SIG: tl.constexpr, STATS: tl.constexpr, USE_ASM: tl.constexpr):
-    """One candidate exponent over the whole block (4 words of |x| tuples, in order)."""
+def _half(x1, x2, x3, x4, x5, x6, x7, n1, n2, n3, n4, n5, n6, n7, inv, npe, ce, sq, mx,
+          SQ: tl.constexpr, STATS: tl.constexpr, USE_ASM: tl.constexpr):
+    """One half's 7 nonzero magnitudes in order under one exponent -> (code word: field m holds the new
+    code of magnitude m, field 0 is 0), the running squared error and max |d|."""
+    cw = tl.zeros(inv.shape, tl.int32)
+    cw, sq, mx = _ent(x1, n1, 1, inv, npe, ce, cw, sq, mx, SQ, STATS, USE_ASM)
+    cw, sq, mx = _ent(x2, n2, 2, inv, npe, ce, cw, sq, mx, SQ, STATS, USE_ASM)
+    cw, sq, mx = _ent(x3, n3, 3, inv, npe, ce, cw, sq, mx, SQ, STATS, USE_ASM)
+    cw, sq, mx = _ent(x4, n4, 4, inv, npe, ce, cw, sq, mx, SQ, STATS, USE_ASM)
+    cw, sq, mx = _ent(x5, n5, 5, inv, npe, ce, cw, sq, mx, SQ, STATS, USE_ASM)
+    cw, sq, mx = _ent(x6, n6, 6, inv, npe, ce, cw, sq, mx, SQ, STATS, USE_ASM)
+    cw, sq, mx = _ent(x7, n7, 7, inv, npe, ce, cw, sq, mx, SQ, STATS, USE_ASM)
+    return cw, sq, mx
+
+
+@triton.jit
+def _sig(x, n, acc):
+    """acc + n * x^2 in float64 (x^2 and n * x^2 exact)."""
+    x64 = x.to(tl.float64)
+    return tl.fma(n.to(tl.float64), x64 * x64, acc)
+
+
+@triton.jit
+def _map_word(w, cw):
+    """New magnitude codes of the 8 nibbles of ``w``: nibble P gets field ``mag(P)`` of ``cw``."""
+    o = (cw >> ((w << 2) & 28)) & 7
+    o += ((cw >> ((w >> 2) & 28)) & 7) << 4
+    o += ((cw >> ((w >> 6) & 28)) & 7) << 8
+    o += ((cw >> ((w >> 10) & 28)) & 7) << 12
+    o += ((cw >> ((w >> 14) & 28)) & 7) << 16
+    o += ((cw >> ((w >> 18) & 28)) & 7) << 20
+    o += ((cw >> ((w >> 22) & 28)) & 7) << 24
+    o += ((cw >> ((w >> 26) & 28)) & 7) << 28
+    return o
+
+
+@triton.jit
+def _cand(a1, a2, a3, a4, a5, a6, a7, na1, na2, na3, na4, na5, na6, na7,
+          b1, b2, b3, b4, b5, b6, b7, nb1, nb2, nb3, nb4, nb5, nb6, nb7, e,
+          SQ: tl.constexpr, STATS: tl.constexpr, USE_ASM: tl.constexpr):
+    """One candidate exponent ``e`` over both halves' tables (a: half 0, b: half 1), in group order."""
+    inv = _pow2(-e)
+    npe = -_pow2(e)
+    ce = e + 127
     sq = tl.zeros(inv.shape, tl.float64)
     mx = tl.zeros(inv.shape, tl.float32)
-    o0, sq, sig, mx = _quant_word(x0[0], x0[1], x0[2], x0[3], x0[4], x0[5], x0[6], x0[7],
-                                  inv, npe, ce, sq, sig, mx, SQ, SIG, STATS, USE_ASM)
-    o1, sq, sig, mx = _quant_word(x1[0], x1[1], x1[2], x1[3], x1[4], x1[5], x1[6], x1[7],
-                                  inv, npe, ce, sq, sig, mx, SQ, SIG, STATS, USE_ASM)
-    o2, sq, sig, mx = _quant_word(x2[0], x2[1], x2[2], x2[3], x2[4], x2[5], x2[6], x2[7],
-                                  inv, npe, ce, sq, sig, mx, SQ, SIG, STATS, USE_ASM)
-    o3, sq, sig, mx = _quant_word(x3[0], x3[1], x3[2], x3[3], x3[4], x3[5], x3[6], x3[7],
-                                  inv, npe, ce, sq, sig, mx, SQ, SIG, STATS, USE_ASM)
-    return o0, o1, o2, o3, sq, sig, mx
+    cwa, sq, mx = _half(a1, a2, a3, a4, a5, a6, a7, na1, na2, na3, na4, na5, na6, na7,
+                        inv, npe, ce, sq, mx, SQ, STATS, USE_ASM)
+    cwb, sq, mx = _half(b1, b2, b3, b4, b5, b6, b7, nb1, nb2, nb3, nb4, nb5, nb6, nb7,
+                        inv, npe, ce, sq, mx, SQ, STATS, USE_ASM)
+    return cwa, cwb, sq, mx
 
 
 @triton.jit
@@ -251,32 +285,58 @@ def _block(w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe,
     """One 32-block per row: output words, E8M0 byte and the block's statistics."""
     s_a = _e4m3_f32(sb0)
     s_b = _e4m3_f32(sb1)
-    x0 = _word_abs(w0, tl.abs(s_a), g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
-    x1 = _word_abs(w1, tl.abs(s_a), g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
-    x2 = _word_abs(w2, tl.abs(s_b), g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
-    x3 = _word_abs(w3, tl.abs(s_b), g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
-    amax = tl.maximum(
-        tl.maximum(_max8(x0[0], x0[1], x0[2], x0[3], x0[4], x0[5], x0[6], x0[7]),
-                   _max8(x1[0], x1[1], x1[2], x1[3], x1[4], x1[5], x1[6], x1[7])),
-        tl.maximum(_max8(x2[0], x2[1], x2[2], x2[3], x2[4], x2[5], x2[6], x2[7]),
-                   _max8(x3[0], x3[1], x3[2], x3[3], x3[4], x3[5], x3[6], x3[7])))
+    sa = tl.abs(s_a)
+    sb = tl.abs(s_b)
+    a1 = _x(1, sa, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    a2 = _x(2, sa, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    a3 = _x(3, sa, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    a4 = _x(4, sa, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    a5 = _x(5, sa, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    a6 = _x(6, sa, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    a7 = _x(7, sa, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    b1 = _x(1, sb, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    b2 = _x(2, sb, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    b3 = _x(3, sb, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    b4 = _x(4, sb, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    b5 = _x(5, sb, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    b6 = _x(6, sb, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    b7 = _x(7, sb, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    h0 = _hist(w0)
+    h1 = _hist(w1)
+    h2 = _hist(w2)
+    h3 = _hist(w3)
+    na1 = _n(h0, h1, 1)
+    na2 = _n(h0, h1, 2)
+    na3 = _n(h0, h1, 3)
+    na4 = _n(h0, h1, 4)
+    na5 = _n(h0, h1, 5)
+    na6 = _n(h0, h1, 6)
+    na7 = _n(h0, h1, 7)
+    nb1 = _n(h2, h3, 1)
+    nb2 = _n(h2, h3, 2)
+    nb3 = _n(h2, h3, 3)
+    nb4 = _n(h2, h3, 4)
+    nb5 = _n(h2, h3, 5)
+    nb6 = _n(h2, h3, 6)
+    nb7 = _n(h2, h3, 7)
+    amax = tl.maximum(_top(a1, a2, a3, a4, a5, a6, a7, na1, na2, na3, na4, na5, na6, na7),
+                      _top(b1, b2, b3, b4, b5, b6, b7, nb1, nb2, nb3, nb4, nb5, nb6, nb7))
     if RULE == 3:  # noqa: SIM108 (constexpr branches)
         e = _scale_exp(amax, 2)
     else:
         e = _scale_exp(amax, RULE)
-    sig = tl.zeros(g.shape, tl.float64)
-    o0, o1, o2, o3, sq, sig, mx = _cand(x0, x1, x2, x3, _pow2(-e), -_pow2(e), e + 127, sig,
-                                          STATS or RULE == 3, True, STATS, USE_ASM)
+    cwa, cwb, sq, mx = _cand(a1, a2, a3, a4, a5, a6, a7, na1, na2, na3, na4, na5, na6, na7,
+                             b1, b2, b3, b4, b5, b6, b7, nb1, nb2, nb3, nb4, nb5, nb6, nb7, e,
+                             STATS or RULE == 3, STATS, USE_ASM)
     if RULE == 3:
         # MSE: RCEIL - 1 only if its error is strictly lower (ties go to RCEIL).
         e1 = tl.where(amax == 0.0, 0, tl.maximum(e - 1, -127))
-        p0, p1, p2, p3, sq1, sig, mx1 = _cand(x0, x1, x2, x3, _pow2(-e1), -_pow2(e1), e1 + 127, sig,
-                                              True, False, STATS, USE_ASM)
+        cwa1, cwb1, sq1, mx1 = _cand(a1, a2, a3, a4, a5, a6, a7, na1, na2, na3, na4, na5, na6, na7,
+                                     b1, b2, b3, b4, b5, b6, b7, nb1, nb2, nb3, nb4, nb5, nb6, nb7, e1,
+                                     True, STATS, USE_ASM)
         pick = sq1 < sq
-        o0 = tl.where(pick, p0, o0)
-        o1 = tl.where(pick, p1, o1)
-        o2 = tl.where(pick, p2, o2)
-        o3 = tl.where(pick, p3, o3)
+        cwa = tl.where(pick, cwa1, cwa)
+        cwb = tl.where(pick, cwb1, cwb)
         sq = tl.where(pick, sq1, sq)
         mx = tl.where(pick, mx1, mx)
         e = tl.where(pick, e1, e)
@@ -284,10 +344,26 @@ def _block(w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe,
     gs = g.to(tl.int32, bitcast=True)
     n_a = ((s_a.to(tl.int32, bitcast=True) ^ gs) >> 31) & -2004318072  # 0x88888888 or 0
     n_b = ((s_b.to(tl.int32, bitcast=True) ^ gs) >> 31) & -2004318072
-    o0 = o0 ^ ((w0 & -2004318072) ^ n_a)
-    o1 = o1 ^ ((w1 & -2004318072) ^ n_a)
-    o2 = o2 ^ ((w2 & -2004318072) ^ n_b)
-    o3 = o3 ^ ((w3 & -2004318072) ^ n_b)
+    o0 = _map_word(w0, cwa) ^ ((w0 & -2004318072) ^ n_a)
+    o1 = _map_word(w1, cwa) ^ ((w1 & -2004318072) ^ n_a)
+    o2 = _map_word(w2, cwb) ^ ((w2 & -2004318072) ^ n_b)
+    o3 = _map_word(w3, cwb) ^ ((w3 & -2004318072) ^ n_b)
+    sig = tl.zeros(g.shape, tl.float64)
+    if STATS:
+        sig = _sig(a1, na1, sig)
+        sig = _sig(a2, na2, sig)
+        sig = _sig(a3, na3, sig)
+        sig = _sig(a4, na4, sig)
+        sig = _sig(a5, na5, sig)
+        sig = _sig(a6, na6, sig)
+        sig = _sig(a7, na7, sig)
+        sig = _sig(b1, nb1, sig)
+        sig = _sig(b2, nb2, sig)
+        sig = _sig(b3, nb3, sig)
+        sig = _sig(b4, nb4, sig)
+        sig = _sig(b5, nb5, sig)
+        sig = _sig(b6, nb6, sig)
+        sig = _sig(b7, nb7, sig)
     clipped = (amax * _pow2(-e) > 6.0).to(tl.int32)
     exact = (sq == 0.0).to(tl.int32)
     return o0, o1, o2, o3, e + 127, sq, sig, mx, clipped, exact
