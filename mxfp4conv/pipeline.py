@@ -80,6 +80,9 @@ class ConvertReport:
     seconds: dict[str, float] = field(default_factory=dict)
     verify: dict[str, Any] | None = None
     requant_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # where NVFP4 -> MXFP4 ran: {"devices": [...], "cpu_kernel": "native" | "torch" | None}; None if
+    # nothing is requantized
+    compute: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -148,6 +151,20 @@ def resolve_device(name: str, needed: bool = True) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cpu_kernel(device: str, needed: bool) -> str | None:
+    """Which CPU requant path runs (``native`` or ``torch``), None when nothing is requantized on the
+    CPU. Builds the compiled kernel now, so that ``MXFP4CONV_CPU_KERNEL=native`` without a C compiler
+    (or a bad mode) fails before any output is written, as a ``UsageError``."""
+    if not needed or device != "cpu":
+        return None
+    from mxfp4conv.kernels import requant_native
+
+    try:
+        return "native" if requant_native.load() is not None else "torch"
+    except (OSError, ValueError) as exc:
+        raise UsageError(str(exc), hint="unset MXFP4CONV_CPU_KERNEL, or install a C compiler (cc / gcc / clang)") from exc
 
 
 def _needs_device(ctx: WriterContext) -> bool:
@@ -373,6 +390,8 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
     opts = dataclasses.replace(opts, device=resolve_device(opts.device, _needs_device(ctx)))
     dst = Path(dst)
     report = ConvertReport(str(src), str(dst), plan.layout, target.NAME, "dry-run" if opts.dry_run else "converted")
+    if _needs_device(ctx):
+        report.compute = {"devices": _devices(opts), "cpu_kernel": cpu_kernel(opts.device, not opts.dry_run)}
     fingerprint = {"tool": __version__, "source": source_fingerprint(ckpt), "options": opts.fingerprint_dict()}
     if opts.skip_if_current and (dst / MANIFEST).exists():
         try:

@@ -129,7 +129,14 @@ def _manifest(dst: Path) -> dict[str, Any]:
 def verify_output(src: str | Path, dst: str | Path, *, manifest_opts: Any = None, _prepared: Any = None,
                   raise_on_failure: bool = True, device: str = "cpu") -> VerifyReport:
     """Compare DST with SRC; raises ``VerificationFailed`` (exit 3) on any difference."""
-    from mxfp4conv.pipeline import ConvertOptions, _needs_device, direct_slices, prepare, resolve_device
+    from mxfp4conv.pipeline import (
+        ConvertOptions,
+        _needs_device,
+        cpu_kernel,
+        direct_slices,
+        prepare,
+        resolve_device,
+    )
 
     dst = Path(dst)
     if manifest_opts is None:
@@ -140,6 +147,7 @@ def verify_output(src: str | Path, dst: str | Path, *, manifest_opts: Any = None
     opts = manifest_opts
     ckpt, layout, plan, target, ctx = _prepared or prepare(src, opts)
     opts = dataclasses.replace(opts, device=resolve_device(opts.device, _needs_device(ctx)))
+    cpu_kernel(opts.device, _needs_device(ctx))  # a bad MXFP4CONV_CPU_KERNEL fails here, in one line
     report = VerifyReport(str(src), str(dst), target.NAME)
     for r in target.ranks(ctx):
         rctx = dataclasses.replace(ctx, options={**ctx.options, "tp_rank": str(r)})

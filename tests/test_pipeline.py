@@ -196,6 +196,30 @@ def test_nvfp4_report_has_stats(srcs: dict[str, Path], tmp_path: Path) -> None:
     assert manifest["requant_stats"] == doc["requant_stats"]
     cfg = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
     assert cfg["format"] == "mxfp4-pack-quantized" and cfg["config_groups"]["group_0"]["weights"]["group_size"] == 32
+    assert doc["compute"] == {"devices": ["cpu"], "cpu_kernel": "native"}  # this machine has a C compiler
+
+
+def test_cpu_kernel_mode_errors_are_usage_errors(srcs: dict[str, Path], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """MXFP4CONV_CPU_KERNEL=native without a compiler: one line, exit 1, nothing written, before any
+    work; renames never look at the kernel; the torch path reports itself."""
+    from mxfp4conv.kernels import requant_native
+
+    monkeypatch.setattr(requant_native, "_kernel", None)
+    monkeypatch.setattr(requant_native, "_error", None)
+    monkeypatch.setenv("MXFP4CONV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))
+    monkeypatch.setenv("MXFP4CONV_CPU_KERNEL", "native")
+    code, out, err = run("convert", str(srcs["modelopt-nvfp4"]), str(tmp_path / "o"), "--device", "cpu")
+    assert code == 1 and not (tmp_path / "o").exists() and not list(tmp_path.glob(".o*"))
+    line = err.strip().splitlines()[-1]
+    assert "MXFP4CONV_CPU_KERNEL=native but the CPU kernel cannot be built" in line and "fix: unset" in line
+    assert "Traceback" not in err
+    assert run("convert", str(srcs["ct-mxfp4"]), str(tmp_path / "r"), "--to", "quark")[0] == 0
+    monkeypatch.setenv("MXFP4CONV_CPU_KERNEL", "torch")
+    code, out, err = run("convert", str(srcs["modelopt-nvfp4"]), str(tmp_path / "t"), "--device", "cpu", "--json")
+    assert code == 0, err
+    assert json.loads(out)["compute"] == {"devices": ["cpu"], "cpu_kernel": "torch"}
 
 
 def test_inspect_reads_headers_only(tmp_path: Path) -> None:
