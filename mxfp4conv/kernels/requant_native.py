@@ -5,7 +5,7 @@ holds no build, a compiler error); ``requant_rows_cpu`` then runs its torch path
 bytes and statistics (tests compare both). ``MXFP4CONV_CPU_KERNEL`` chooses: ``auto`` (default: the
 compiled kernel when it builds), ``native`` (it must build: failing to is an error), ``torch``.
 
-The build runs the C compiler (``$CC``, else ``cc`` / ``gcc`` / ``clang``) with ``-O2
+The build runs the C compiler (``$CC``, else ``cc`` / ``gcc`` / ``clang``) with ``-O2 -funroll-loops
 -ffp-contract=off`` (no fused multiply-adds: every operation rounds as the contract says; no
 ``-march=native``, so a build in a shared home directory runs on every node) into a per-user cache
 (``$MXFP4CONV_CACHE_DIR``, else ``$XDG_CACHE_HOME/mxfp4conv``, else ``~/.cache/mxfp4conv``), named by
@@ -28,7 +28,7 @@ from pathlib import Path
 
 __all__ = ["CFLAGS", "NativeKernel", "build_error", "kernel_mode", "load"]
 
-CFLAGS = ("-O2", "-std=c99", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")
+CFLAGS = ("-O2", "-funroll-loops", "-std=c99", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")
 _SOURCE = Path(__file__).with_name("requant_native.c")
 _RULE_IDS = {"floor": 0, "even": 1, "rceil": 2, "mse": 3}
 _lock = threading.Lock()

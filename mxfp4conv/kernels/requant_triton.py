@@ -50,9 +50,10 @@ class KernelConfig:
 
 def default_config(rule: object) -> KernelConfig:
     """The launch shape measured fastest on an H200 (BENCHMARKS.md): tiles of 2 blocks per row with
-    the next tile prefetched (EVEN 586 -> 922 G weights/s against the one-block loop). MSE, bound by
-    instruction issue (two candidates per block), is fastest with 4 warps per program (556 against
-    491 with 8); the other rules take the occupancy-based choice of ``auto_num_warps``."""
+    the next tile prefetched (EVEN 586 -> 922 G weights/s against the one-block loop, per-weight
+    kernel). MSE keeps 4 warps per program: best for the per-weight kernel (556 against 491 with 8),
+    and equal within the spread for the table-based one (652 against 661 with 8); the other rules
+    take the occupancy-based choice of ``auto_num_warps``."""
     if rule_id(rule) == _RULE_IDS["mse"]:
         return KernelConfig(num_warps=4, blocks_per_iter=2, prefetch=True)
     return KernelConfig(blocks_per_iter=2, prefetch=True)
