@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import types
 from collections.abc import Iterator
@@ -85,9 +86,15 @@ def cpu_kernel(mode: str) -> Iterator[None]:
             os.environ["MXFP4CONV_CPU_KERNEL"] = old
 
 
+HAS_CC = requant_native._compiler() is not None  # CI and dev machines have one; then it must build
+
+
 def both_cpu_paths(*args: Any, **kw: Any) -> tuple[torch.Tensor, ...]:
     """``requant_rows_cpu(*args)`` on the compiled kernel and on the torch path: they must agree
-    bit for bit; returns the result."""
+    bit for bit; returns the result (the torch path's alone where no C compiler exists)."""
+    if not HAS_CC:
+        with cpu_kernel("torch"):
+            return requant_rows_cpu(*args, **kw)
     with cpu_kernel("native"):
         nat = requant_rows_cpu(*args, **kw)
     with cpu_kernel("torch"):
@@ -189,6 +196,7 @@ def test_threads_and_slab_sizes_do_not_change_bytes(monkeypatch: pytest.MonkeyPa
         assert_same(both_cpu_paths(*data, False, ScaleRule.MSE, threads=3), base)
 
 
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
 def test_native_kernel_builds_and_is_used(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """This machine has a C compiler: auto mode builds the kernel into the cache and runs it
     (the torch path is not called); torch mode never builds it."""
@@ -205,6 +213,21 @@ def test_native_kernel_builds_and_is_used(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert kern is not None and kern.path.parent == tmp_path / "cache" and not calls
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [kern.path.name]  # no temporary left
     assert out[1].numel() == 8 and bool((out[2][:, 1] > 0).all())
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
+def test_unwritable_cache_builds_into_a_temporary_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A cache folder that cannot be created (here: below a regular file, which stops root too):
+    the kernel is built into a private temporary folder instead."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("MXFP4CONV_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setenv("MXFP4CONV_CPU_KERNEL", "native")
+    monkeypatch.setattr(requant_native, "_kernel", None)
+    monkeypatch.setattr(requant_native, "_error", None)
+    kern = requant_native.load()
+    assert kern is not None and kern.path.exists() and not str(kern.path).startswith(str(blocker))
+    shutil.rmtree(kern.path.parent)
 
 
 def test_no_compiler_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

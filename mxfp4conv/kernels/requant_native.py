@@ -107,9 +107,13 @@ def _load_uncached() -> NativeKernel:
             raise OSError("no C compiler found (set CC, or install cc / gcc / clang)")
         try:
             _build(cc, dest)
-        except PermissionError:  # read-only cache: build into a private temporary folder
-            dest = Path(tempfile.mkdtemp(prefix="mxfp4conv-")) / name
-            _build(cc, dest)
+        except OSError:
+            if not os.access(dest.parent, os.W_OK) or not dest.parent.is_dir():
+                # an unwritable cache (read-only home): build into a private temporary folder
+                dest = Path(tempfile.mkdtemp(prefix="mxfp4conv-")) / name
+                _build(cc, dest)
+            else:
+                raise
     return NativeKernel(ctypes.CDLL(str(dest)), dest)
 
 
