@@ -8,16 +8,19 @@ Row-level contract shared by the CPU path (``requant_rows_cpu``) and the GPU ker
         -> (packed_out [R, K/2] uint8, scales_out [R, K/32] uint8 (E8M0),
             row_stats [R, 5] float64 = (sq_err, signal, max_abs_err, clipped_blocks, exact_blocks))
 
-i.e. ``quantize_mxfp4_with_stats(dequantize_nvfp4(...), rule)`` with the block statistics folded per
-row: sq_err / signal summed sequentially over the row's blocks, max_abs_err the max, the two counts.
+i.e. ``quantize_mxfp4_with_stats(dequantize_nvfp4(...), rule, requant_groups(packed))`` with the block
+statistics folded per row: block sums in group order (NUMERICS.md "Block sums"), sq_err / signal
+summed sequentially over the row's blocks, max_abs_err the max, the two counts.
 
-The CPU path never expands a tensor to fp32: within a 16-element NVFP4 block every value is one of 8
+The CPU paths never expand a tensor to fp32: within a 16-element NVFP4 block every value is one of 8
 magnitudes ``round(e2m1[m] * s * g)`` (sign-symmetric), so all float work (scale choice, E2M1 rounding,
-float64 errors) runs on per-block tables of 8 entries per 16 weights. Per weight it only builds an
-index, gathers the float64 terms that the contract sums sequentially over the 32 positions
-(``cumsum`` on CPU is a sequential scan), and gathers the new code. Rows are processed in slabs of
-~128K weights (cache-resident) on worker threads with reused buffers; while it runs, torch's
-intra-op thread count is set to 1 (process-wide), so do not run other torch work concurrently.
+float64 errors) runs on per-block tables of 8 entries per 16 weights; per weight only its magnitude
+is counted and its new code looked up. Two implementations, bit-identical: the compiled kernel
+(``mxfp4conv.kernels.requant_native``, C through ctypes, the default when a C compiler is found) and
+the eager-torch path (``bincount`` for the counts, ``cumsum``, a sequential scan on the CPU, for the
+group sums). Rows are processed in slabs of ~128K weights (cache-resident) on worker threads; while
+they run, torch's intra-op thread count is set to 1 (process-wide), so do not run other torch work
+concurrently.
 """
 
 from __future__ import annotations
@@ -369,13 +372,13 @@ def requant_rows_cpu(
     ``global_rows`` float32 ``[R]`` -> (``packed_out`` uint8 ``[R, K/2]``, ``scales_out`` uint8
     ``[R, K/32]``, ``row_stats`` float64 ``[R, 5]`` = (sq_err, signal, max_abs_err, clipped_blocks,
     exact_blocks)). Inputs must be valid (``validate_nvfp4_scales``). Work is split into row slabs of
-    ~128K weights run on ``threads`` worker threads (default: torch's intra-op thread count), each
-    with single-threaded torch ops.
+    ~128K weights run on ``threads`` worker threads (default: torch's intra-op thread count), by the
+    compiled kernel (``requant_native.load()``) or else with single-threaded torch ops.
     """
     rule = ScaleRule(rule)
     k = _check_rows(packed, scales_e4m3, global_rows)
     r = packed.shape[0]
-    out = torch.empty_like(packed)
+    out = torch.empty(r, k // 2, dtype=torch.uint8)  # row-major, whatever the input's strides
     scales_out = torch.empty(r, k // MX_BLOCK, dtype=torch.uint8)
     row_stats = torch.zeros(r, 5, dtype=torch.float64)
     if r == 0 or k == 0:

@@ -372,3 +372,14 @@ def test_cuda_device_dispatches_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -
     assert calls == [((2, 8, 32), True, ScaleRule.EVEN, "cuda:1", 5)]
     mx_cpu, st_cpu = requant_nvfp4_to_mxfp4(w, ScaleRule.EVEN)
     assert torch.equal(mx.packed, mx_cpu.packed) and st == st_cpu
+
+
+def test_strided_inputs_give_row_major_outputs() -> None:
+    """Dense but column-major inputs (a transposed copy viewed back): same bytes, outputs row-major."""
+    p, s, g = random_nvfp4(12, 128, False, seed=10)
+    pt = p.t().contiguous().t()
+    st = s.view(torch.uint8).t().contiguous().t().view(torch.float8_e4m3fn)
+    assert not pt.is_contiguous() and not st.is_contiguous()
+    got = both_cpu_paths(pt, st, g, False, ScaleRule.MSE)
+    assert all(t.is_contiguous() for t in got)
+    assert_same(got, both_cpu_paths(p, s, g, False, ScaleRule.MSE))
