@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -383,3 +384,21 @@ def test_strided_inputs_give_row_major_outputs() -> None:
     got = both_cpu_paths(pt, st, g, False, ScaleRule.MSE)
     assert all(t.is_contiguous() for t in got)
     assert_same(got, both_cpu_paths(p, s, g, False, ScaleRule.MSE))
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
+def test_concurrent_first_builds_and_a_damaged_cache(tmp_path: Path) -> None:
+    """Three processes building into one empty cache at once all load a complete library (each
+    builds under a temporary name, then renames); a damaged cached library is rebuilt."""
+    code = ("from mxfp4conv.kernels import requant_native as n; k = n.load(); "
+            "print(k.path if k else n.build_error())")  # fmt: skip
+    env = {**os.environ, "MXFP4CONV_CACHE_DIR": str(tmp_path), "MXFP4CONV_CPU_KERNEL": "native"}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]  # fmt: skip
+    paths = {p.communicate(timeout=300)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs) and len(paths) == 1
+    lib = Path(paths.pop())
+    assert [p.name for p in tmp_path.iterdir()] == [lib.name]
+    lib.write_bytes(b"not an ELF file")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and Path(out.stdout.strip()) == lib and lib.stat().st_size > 1000

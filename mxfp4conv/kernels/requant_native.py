@@ -114,7 +114,15 @@ def _load_uncached() -> NativeKernel:
                 _build(cc, dest)
             else:
                 raise
-    return NativeKernel(ctypes.CDLL(str(dest)), dest)
+    try:
+        lib = ctypes.CDLL(str(dest))
+    except OSError:  # a damaged cached build (e.g. a disk that filled up): build it again, once
+        if cc is None:
+            raise
+        dest.unlink(missing_ok=True)
+        _build(cc, dest)
+        lib = ctypes.CDLL(str(dest))
+    return NativeKernel(lib, dest)
 
 
 def load() -> NativeKernel | None:
