@@ -10,7 +10,7 @@ Row-level contract shared by the CPU path (``requant_rows_cpu``) and the GPU ker
 
 i.e. ``quantize_mxfp4_with_stats(dequantize_nvfp4(...), rule, requant_groups(packed))`` with the block
 statistics folded per row: block sums in group order (NUMERICS.md "Block sums"), sq_err / signal
-summed over the row's blocks by ``row_tile_sum`` (tiles of 32 blocks, a halving tree in a tile,
+summed over the row's blocks by ``row_tile_sum`` (tiles of 32 blocks, a pairwise tree in a tile,
 tiles in order), max_abs_err the max, the two counts.
 
 The CPU paths never expand a tensor to fp32: within a 16-element NVFP4 block every value is one of 8
@@ -159,16 +159,14 @@ ROW_TILE = 32  # blocks per tile of the row sums (NUMERICS.md "Requant statistic
 def row_tile_sum(t: torch.Tensor) -> torch.Tensor:
     """Row sums of per-block values ``t [r, NB]`` (float64, >= 0) in the contract's order -> ``[r]``:
     tiles of ``ROW_TILE`` blocks (the last one padded with +0, which changes nothing), each summed by
-    a halving tree (slot i += slot i + 16, then i += i + 8, ..., i += i + 1: the order of a warp's
-    butterfly reduction), then the tile sums added in order."""
+    a pairwise tree ((b0 + b1) + (b2 + b3)) + ..., then the tile sums added in order."""
     r, nb = t.shape
     nt = -(-nb // ROW_TILE)
     x = torch.zeros(r, nt * ROW_TILE, dtype=torch.float64)
     x[:, :nb] = t
     x = x.view(r, nt, ROW_TILE)
     while x.shape[-1] > 1:
-        h = x.shape[-1] // 2
-        x = x[..., :h] + x[..., h:]
+        x = x[..., 0::2] + x[..., 1::2]
     return x[..., 0].cumsum(1)[:, -1]  # CPU cumsum: a left-to-right scan
 
 

@@ -168,14 +168,13 @@ def test_cpu_path_is_sequential_where_it_matters() -> None:
 
 
 def _py_row_sum(vals: list[float]) -> float:
-    """The row contract in plain Python: tiles of 32 blocks (zero-padded), a halving tree in each
-    (slot i + slot i + 16, then i + 8, ...), tile sums added in order."""
+    """The row contract in plain Python: tiles of 32 blocks (zero-padded), a pairwise tree in each,
+    tile sums added in order."""
     total = 0.0
     for t0 in range(0, len(vals), 32):
         level = vals[t0 : t0 + 32] + [0.0] * (32 - len(vals[t0 : t0 + 32]))
         while len(level) > 1:
-            h = len(level) // 2
-            level = [level[i] + level[i + h] for i in range(h)]
+            level = [level[i] + level[i + 1] for i in range(0, len(level), 2)]
         total += level[0]
     return total
 

@@ -370,6 +370,24 @@ def _block(w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe,
 
 
 @triton.jit
+def _pairs(x, N: tl.constexpr, ROWS: tl.constexpr):
+    """One level of the pairwise tree: ``[ROWS, 2N]`` -> ``[ROWS, N]``, slot i = x[2i] + x[2i + 1]."""
+    a, b = tl.split(tl.reshape(x, [ROWS, N, 2]))
+    return a + b
+
+
+@triton.jit
+def _tree32(x, ROWS: tl.constexpr):
+    """Sum of ``x [ROWS, 32]`` over its 32 slots by the contract's pairwise tree -> ``[ROWS]``."""
+    x = _pairs(x, 16, ROWS)
+    x = _pairs(x, 8, ROWS)
+    x = _pairs(x, 4, ROWS)
+    x = _pairs(x, 2, ROWS)
+    x = _pairs(x, 1, ROWS)
+    return tl.reshape(x, [ROWS])
+
+
+@triton.jit
 def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
                         s_in, s_sc, s_out, s_osc,
                         RULE: tl.constexpr, DIVISOR: tl.constexpr, ROWS: tl.constexpr,
@@ -384,7 +402,7 @@ def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
     st_ptr:  fp64  [R, 5] (sq_err, signal, max_abs_err, clipped_blocks, exact_blocks)
     One thread per (row, 32-block): the program walks its rows in tiles of T = 32 blocks (the row-sum
     tile of the contract), adjacent threads on adjacent blocks of a row, so loads and stores are
-    coalesced. A tile's block statistics are summed by the halving tree, tiles in order.
+    coalesced. A tile's block statistics are summed by the pairwise tree, tiles in order.
     STATS=False (a benchmark diagnostic) skips the statistics and leaves st_ptr untouched.
     FAST_DIV=False always uses ``div.rn.f32`` for the divisor.
     """
@@ -430,15 +448,12 @@ def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
         tl.store(out_row + (j[None, :, None] * 4 + c4[None, None, :]), ot, mask=m3)
         tl.store(osc_row + j[None, :], ebyte.to(tl.uint8), mask=m)
         if STATS:
-            # Masked slots hold +0: adding them changes nothing (every term is >= +0). A warp holds
-            # the tile's 32 blocks of a row, lane = block, so tl.sum is its butterfly reduction
-            # (strides 16, 8, 4, 2, 1): the contract's halving tree; the GPU tests pin that.
-            rsq = rsq + tl.sum(tl.where(m, sq, 0.0), axis=1)
-            rsig = rsig + tl.sum(tl.where(m, sig, 0.0), axis=1)
+            # Masked slots hold +0: adding them changes nothing (every term is >= +0).
+            rsq = rsq + _tree32(tl.where(m, sq, 0.0), ROWS)
+            rsig = rsig + _tree32(tl.where(m, sig, 0.0), ROWS)
             rmx = tl.maximum(rmx, tl.max(tl.where(m, mx, 0.0), axis=1))
-            counts = tl.sum(tl.where(m, clipped + (exact << 16), 0), axis=1)  # both < 2^16 per tile
-            rclip = rclip + (counts & 0xFFFF)
-            rexact = rexact + (counts >> 16)
+            rclip = rclip + tl.sum(tl.where(m, clipped, 0), axis=1)
+            rexact = rexact + tl.sum(tl.where(m, exact, 0), axis=1)
     if STATS:
         st_row = st_ptr + r64 * 5
         tl.store(st_row, rsq, mask=rmask)

@@ -124,13 +124,12 @@ static inline double present_max(const double *tab, const double *pm) {
     return v[0];
 }
 
-/* Row sums (NUMERICS.md "Requant statistics"): tiles of ROW_TILE blocks, each summed by a halving
- * tree over its (zero-padded) slots (slot i += slot i + 16, then i + 8, ..., i + 1), the tile sums
- * added in order. tile[] is reset to +0 after. */
+/* Row sums (NUMERICS.md "Requant statistics"): tiles of ROW_TILE blocks, each summed by a pairwise
+ * tree over its (zero-padded) slots, the tile sums added in order. tile[] is reset to +0 after. */
 #define ROW_TILE 32
 static inline double tile_tree(double *tile) {
     for (int w = ROW_TILE / 2; w >= 1; w >>= 1)
-        for (int i = 0; i < w; i++) tile[i] = tile[i] + tile[i + w];
+        for (int i = 0; i < w; i++) tile[i] = tile[2 * i] + tile[2 * i + 1];
     const double s = tile[0];
     for (int i = 0; i < ROW_TILE; i++) tile[i] = 0.0;
     return s;
