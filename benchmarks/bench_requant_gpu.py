@@ -120,11 +120,12 @@ def bench_configs(r: int, k: int, dev: torch.device, base: dict[str, Any], out: 
     best: dict[str, KernelConfig] = {}
     for rule in ("even", "mse"):
         top: tuple[float, KernelConfig] = (float("inf"), KernelConfig())
-        for nw, rpw in ((2, 1), (4, 1), (8, 1), (16, 1), (2, 2), (4, 2), (8, 2), (4, 4)):
-            cfg = KernelConfig(num_warps=nw, rows_per_warp=rpw)
+        for nw, cb, pf in ((8, 1, False), (8, 2, False), (8, 4, False), (4, 4, False), (8, 1, True), (8, 2, True),
+                           (8, 4, True), (4, 2, True), (4, 4, True)):
+            cfg = KernelConfig(num_warps=nw, blocks_per_iter=cb, prefetch=pf)
             ms, _, _ = bench_ms(lambda cfg=cfg, rule=rule: requant_rows_into(*slab, False, rule, *outs, config=cfg), 300)
-            emit({**base, "case": "kernel_config", "rule": rule, "num_warps": nw, "rows_per_warp": rpw,
-                  "ms": round(ms, 4), "Gweights_s": round(r * k / ms / 1e6, 1)}, out)
+            emit({**base, "case": "kernel_config", "rule": rule, "num_warps": nw, "blocks_per_iter": cb,
+                  "prefetch": pf, "ms": round(ms, 4), "Gweights_s": round(r * k / ms / 1e6, 1)}, out)
             if ms < top[0]:
                 top = (ms, cfg)
         best[rule] = top[1]
@@ -146,14 +147,15 @@ def bench_kernel(r: int, k: int, dev: torch.device, cfgs: dict[str, KernelConfig
             kernel_ms[(rule, divisor)] = ms
             gw = r * k / ms / 1e6
             emit({**base, "case": "kernel", "rule": rule, "convention": "ct_divisor" if divisor else "modelopt",
-                  "shape": [r, k], "num_warps": cfg.num_warps, "rows_per_warp": cfg.rows_per_warp,
+                  "shape": [r, k], "num_warps": cfg.num_warps, "blocks_per_iter": cfg.blocks_per_iter,
+                  "prefetch": cfg.prefetch,
                   "ms": round(ms, 4), "ms_min": round(lo, 4), "ms_max": round(hi, 4),
                   "Gweights_s": round(gw, 1), "HBM_GBps": round(gw * BYTES_PER_WEIGHT, 1),
                   "of_roofline": round(gw / roof, 3)}, out)
     # Diagnostic: the divisor convention through PTX div.rn.f32 instead of Markstein's correction.
     cfg = cfgs["even"]
     slab = make_slab(r, k, True, dev)
-    plain = KernelConfig(cfg.num_warps, cfg.rows_per_warp, fast_div=False)
+    plain = KernelConfig(cfg.num_warps, cfg.blocks_per_iter, fast_div=False, prefetch=cfg.prefetch)
     ms, _, _ = bench_ms(lambda: requant_rows_into(*slab, True, "even", *outs, config=plain))
     emit({**base, "case": "kernel_divrn_diagnostic", "rule": "even", "convention": "ct_divisor",
           "shape": [r, k], "ms": round(ms, 4), "Gweights_s": round(r * k / ms / 1e6, 1),

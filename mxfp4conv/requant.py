@@ -10,8 +10,7 @@ Row-level contract shared by the CPU path (``requant_rows_cpu``) and the GPU ker
 
 i.e. ``quantize_mxfp4_with_stats(dequantize_nvfp4(...), rule, requant_groups(packed))`` with the block
 statistics folded per row: block sums in group order (NUMERICS.md "Block sums"), sq_err / signal
-summed over the row's blocks by ``row_tile_sum`` (tiles of 32 blocks, a pairwise tree in a tile,
-tiles in order), max_abs_err the max, the two counts.
+summed sequentially over the row's blocks, max_abs_err the max, the two counts.
 
 The CPU paths never expand a tensor to fp32: within a 16-element NVFP4 block every value is one of 8
 magnitudes ``round(e2m1[m] * s * g)`` (sign-symmetric), so all float work (scale choice, E2M1 rounding,
@@ -51,13 +50,11 @@ from mxfp4conv.kernels import requant_native
 
 __all__ = [
     "ROW_STATS",
-    "ROW_TILE",
     "RequantStats",
     "requant_groups",
     "requant_nvfp4_to_mxfp4",
     "requant_rows_cpu",
     "requant_rows_reference",
-    "row_tile_sum",
 ]
 
 ROW_STATS = ("sq_err", "signal", "max_abs_err", "clipped_blocks", "exact_blocks")  # row_stats columns
@@ -153,31 +150,14 @@ def _check_rows(packed: torch.Tensor, scales: torch.Tensor, global_rows: torch.T
     return k
 
 
-ROW_TILE = 32  # blocks per tile of the row sums (NUMERICS.md "Requant statistics")
-
-
-def row_tile_sum(t: torch.Tensor) -> torch.Tensor:
-    """Row sums of per-block values ``t [r, NB]`` (float64, >= 0) in the contract's order -> ``[r]``:
-    tiles of ``ROW_TILE`` blocks (the last one padded with +0, which changes nothing), each summed by
-    a pairwise tree ((b0 + b1) + (b2 + b3)) + ..., then the tile sums added in order."""
-    r, nb = t.shape
-    nt = -(-nb // ROW_TILE)
-    x = torch.zeros(r, nt * ROW_TILE, dtype=torch.float64)
-    x[:, :nb] = t
-    x = x.view(r, nt, ROW_TILE)
-    while x.shape[-1] > 1:
-        x = x[..., 0::2] + x[..., 1::2]
-    return x[..., 0].cumsum(1)[:, -1]  # CPU cumsum: a left-to-right scan
-
-
 def _row_stats(
     err: torch.Tensor, sig: torch.Tensor, mx: torch.Tensor, clipped: torch.Tensor, exact: torch.Tensor
 ) -> torch.Tensor:
-    """Per-block [r, NB] -> [r, 5] float64 (``row_tile_sum`` for the two sums)."""
+    """Per-block [r, NB] -> [r, 5] float64 (sequential sums over the row's blocks)."""
     return torch.stack(
         (
-            row_tile_sum(err),
-            row_tile_sum(sig),
+            err.cumsum(1)[:, -1],
+            sig.cumsum(1)[:, -1],
             mx.amax(1),
             clipped.sum(1, dtype=torch.float64),
             exact.sum(1, dtype=torch.float64),

@@ -27,6 +27,7 @@ import triton.language as tl  # noqa: E402
 
 from mxfp4conv.kernels.requant_triton import (  # noqa: E402
     KernelConfig,
+    auto_num_warps,
     requant_nvfp4_gpu_chunks,
     requant_rows,
     requant_rows_into,
@@ -292,8 +293,8 @@ def test_adversarial_data_is_adversarial(divisor: bool) -> None:
 
 @pytest.mark.parametrize("rule", RULES)
 def test_odd_shapes(rule: str) -> None:
-    """Row counts that are not a multiple of the program's rows; K/32 of 1, 2, 3, 5, 6 (a partial
-    row tile). One convention per rule keeps the compiles few."""
+    """Row counts that are not a multiple of the program's rows; K/32 of 1, 2, 3, 5, 6 (the loop
+    then walks 1 or 2 blocks per iteration). One convention per rule keeps the compiles few."""
     divisor = rule in ("even", "mse")
     for r, k in ((1, 32), (129, 64), (300, 96), (70, 160), (33, 192)):
         packed, sc, g = random_nvfp4(r, k, divisor, seed=r * 7 + k)
@@ -301,16 +302,20 @@ def test_odd_shapes(rule: str) -> None:
 
 
 def test_configs_identical() -> None:
-    """Every launch shape gives the same bytes, and so does the plain ``div.rn.f32`` division path.
-    K/32 of 16 (half a row tile), 3, and 40 (a full tile, then a partial one)."""
-    cases = [(False, KernelConfig(num_warps=1)),
-             (False, KernelConfig(num_warps=2, rows_per_warp=2)),
-             (False, KernelConfig(num_warps=8)),
-             (False, KernelConfig(num_warps=4, rows_per_warp=4)),
+    """Every launch shape gives the same bytes (prefetch included), and so does the plain
+    ``div.rn.f32`` division path."""
+    cases = [(False, KernelConfig(num_warps=1, blocks_per_iter=1)),
+             (False, KernelConfig(num_warps=2, blocks_per_iter=2)),
+             (False, KernelConfig(num_warps=8, blocks_per_iter=1)),
+             (False, KernelConfig(num_warps=4, blocks_per_iter=4)),
+             (False, KernelConfig(num_warps=4, prefetch=True)),
+             (False, KernelConfig(num_warps=4, blocks_per_iter=2, prefetch=True)),
+             (False, KernelConfig(num_warps=8, blocks_per_iter=4, prefetch=True)),
              (True, KernelConfig(num_warps=4, fast_div=False)),
              (True, KernelConfig(num_warps=4, fast_div=True)),
-             (True, KernelConfig(num_warps=8, rows_per_warp=2))]
-    for k in (512, 96, 1280):
+             (True, KernelConfig(num_warps=8, prefetch=True)),
+             (True, KernelConfig(num_warps=4, blocks_per_iter=4, prefetch=True))]
+    for k in (512, 96):  # 16 blocks per row, and 3 (tiles of 2 and 4 fall back to 1)
         for rule in ("even", "mse"):
             for divisor, cfg in cases:
                 packed, sc, g = random_nvfp4(1000, k, divisor, seed=5)
@@ -320,9 +325,21 @@ def test_configs_identical() -> None:
                         torch.empty((1000, 5), dtype=torch.float64, device=DEV))
                 requant_rows_into(packed.to(DEV), sc.to(DEV), g.to(DEV), divisor, _rule(rule), *outs, config=cfg)
                 assert_identical(outs, cpu, f"{cfg} {rule} k={k} divisor={divisor}")
-    with pytest.raises(ValueError, match="unsupported launch shape"):
-        requant_rows_into(packed.to(DEV), sc.to(DEV), g.to(DEV), True, _rule("mse"), *outs,
-                          config=KernelConfig(num_warps=3))
+    packed, sc, g = random_nvfp4(600, 256, True, seed=6)
+    cpu = requant_rows_cpu(packed, sc, g, True, _rule("mse"))
+    outs = (torch.empty((600, 128), dtype=torch.uint8, device=DEV),
+            torch.empty((600, 8), dtype=torch.uint8, device=DEV),
+            torch.empty((600, 5), dtype=torch.float64, device=DEV))
+    requant_rows_into(packed.to(DEV), sc.to(DEV), g.to(DEV), True, _rule("mse"), *outs,
+                      config=KernelConfig(num_warps=2, prefetch=True))
+    assert_identical(outs, cpu, "mse prefetch divisor")
+
+
+def test_auto_num_warps() -> None:
+    """The launch-shape heuristic: full waves on the benchmark slab, spread small inputs."""
+    assert auto_num_warps(131072, 132) == 8
+    assert auto_num_warps(4096, 132) == 1
+    assert auto_num_warps(1, 132) in (1, 2, 4, 8)
 
 
 def test_noncontiguous_inputs() -> None:

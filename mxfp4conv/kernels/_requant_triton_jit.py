@@ -370,28 +370,83 @@ def _block(w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe,
 
 
 @triton.jit
-def _pairs(x, N: tl.constexpr, ROWS: tl.constexpr):
-    """One level of the pairwise tree: ``[ROWS, 2N]`` -> ``[ROWS, N]``, slot i = x[2i] + x[2i + 1]."""
-    a, b = tl.split(tl.reshape(x, [ROWS, N, 2]))
-    return a + b
+def _ld(in_row, sc_row, j, c4, c2, m):
+    """Block ``j`` of every row: its 4 packed words [ROWS, 4] and 2 E4M3 bytes [ROWS, 2]."""
+    wt = tl.load(in_row[:, None] + (j * 4 + c4)[None, :], mask=m, other=0)
+    st = tl.load(sc_row[:, None] + (j * 2 + c2)[None, :], mask=m, other=0)
+    return wt, st
 
 
 @triton.jit
-def _tree32(x, ROWS: tl.constexpr):
-    """Sum of ``x [ROWS, 32]`` over its 32 slots by the contract's pairwise tree -> ``[ROWS]``."""
-    x = _pairs(x, 16, ROWS)
-    x = _pairs(x, 8, ROWS)
-    x = _pairs(x, 4, ROWS)
-    x = _pairs(x, 2, ROWS)
-    x = _pairs(x, 1, ROWS)
-    return tl.reshape(x, [ROWS])
+def _ld_tile(in_row, sc_row, j0, c4, c2, m, TILE: tl.constexpr):
+    """Blocks ``j0 .. j0 + TILE - 1`` of every row, all loads issued together (unused slots repeat
+    block j0 and are never computed)."""
+    w0, s0 = _ld(in_row, sc_row, j0, c4, c2, m)
+    w1, s1 = w0, s0
+    w2, s2 = w0, s0
+    w3, s3 = w0, s0
+    if TILE >= 2:
+        w1, s1 = _ld(in_row, sc_row, j0 + 1, c4, c2, m)
+    if TILE == 4:
+        w2, s2 = _ld(in_row, sc_row, j0 + 2, c4, c2, m)
+        w3, s3 = _ld(in_row, sc_row, j0 + 3, c4, c2, m)
+    return w0, s0, w1, s1, w2, s2, w3, s3
+
+
+@triton.jit
+def _tile(w0, s0, w1, s1, w2, s2, w3, s3, j0, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+          rsq, rsig, rmx, rclip, rexact,
+          ROWS: tl.constexpr, RULE: tl.constexpr, DIVISOR: tl.constexpr, FAST_DIV: tl.constexpr,
+          USE_ASM: tl.constexpr, STATS: tl.constexpr, TILE: tl.constexpr):
+    """The TILE loaded blocks, in order (the row sums stay sequential over blocks)."""
+    rsq, rsig, rmx, rclip, rexact = _step(w0, s0, j0, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                                          rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
+    if TILE >= 2:
+        rsq, rsig, rmx, rclip, rexact = _step(w1, s1, j0 + 1, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                                              rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM,
+                                              STATS)
+    if TILE == 4:
+        rsq, rsig, rmx, rclip, rexact = _step(w2, s2, j0 + 2, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                                              rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM,
+                                              STATS)
+        rsq, rsig, rmx, rclip, rexact = _step(w3, s3, j0 + 3, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                                              rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM,
+                                              STATS)
+    return rsq, rsig, rmx, rclip, rexact
+
+
+@triton.jit
+def _step(wt, st, j, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+          rsq, rsig, rmx, rclip, rexact,
+          ROWS: tl.constexpr, RULE: tl.constexpr, DIVISOR: tl.constexpr, FAST_DIV: tl.constexpr,
+          USE_ASM: tl.constexpr, STATS: tl.constexpr):
+    """Block ``j`` of every row, from its loaded words ``wt`` [ROWS, 4] and scale bytes ``st``
+    [ROWS, 2]: store the codes and the E8M0 byte, fold the block statistics into the row sums."""
+    w02, w13 = tl.split(tl.reshape(wt, [ROWS, 2, 2]))
+    w0, w2 = tl.split(w02)
+    w1, w3 = tl.split(w13)
+    sb0, sb1 = tl.split(st.to(tl.int32))
+    o0, o1, o2, o3, ebyte, sq, sig, mx, clipped, exact = _block(
+        w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
+    ot = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), [ROWS, 4])
+    tl.store(out_row[:, None] + (j * 4 + c4)[None, :], ot, mask=m2)
+    tl.store(osc_row + j, ebyte.to(tl.uint8), mask=rmask)
+    if STATS:
+        # Row sums, sequential over blocks.
+        rsq = rsq + sq
+        rsig = rsig + sig
+        rmx = tl.maximum(rmx, mx)
+        rclip = rclip + clipped
+        rexact = rexact + exact
+    return rsq, rsig, rmx, rclip, rexact
 
 
 @triton.jit
 def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
                         s_in, s_sc, s_out, s_osc,
-                        RULE: tl.constexpr, DIVISOR: tl.constexpr, ROWS: tl.constexpr,
-                        USE_ASM: tl.constexpr, STATS: tl.constexpr = True, FAST_DIV: tl.constexpr = True):
+                        RULE: tl.constexpr, DIVISOR: tl.constexpr, TILE: tl.constexpr,
+                        ROWS: tl.constexpr, USE_ASM: tl.constexpr, STATS: tl.constexpr = True,
+                        FAST_DIV: tl.constexpr = True, PREFETCH: tl.constexpr = False):
     """Requantize rows ``[pid*ROWS, pid*ROWS + ROWS)``; see the module docstring.
 
     in_ptr:  int32 [R, NB*4] packed NVFP4 words (row stride ``s_in`` words)
@@ -400,60 +455,51 @@ def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
     out_ptr: int32 [R, NB*4] packed MXFP4 words (row stride ``s_out``)
     osc_ptr: uint8 [R, NB] E8M0 bytes (row stride ``s_osc``)
     st_ptr:  fp64  [R, 5] (sq_err, signal, max_abs_err, clipped_blocks, exact_blocks)
-    One thread per (row, 32-block): the program walks its rows in tiles of T = 32 blocks (the row-sum
-    tile of the contract), adjacent threads on adjacent blocks of a row, so loads and stores are
-    coalesced. A tile's block statistics are summed by the pairwise tree, tiles in order.
-    STATS=False (a benchmark diagnostic) skips the statistics and leaves st_ptr untouched.
-    FAST_DIV=False always uses ``div.rn.f32`` for the divisor.
+    NB must be a multiple of TILE (1, 2 or 4 blocks per row loaded at once, then computed in order).
+    PREFETCH loads tile t+1 while tile t is computed. STATS=False (a benchmark diagnostic) skips the statistics
+    and leaves st_ptr untouched. FAST_DIV=False always uses ``div.rn.f32`` for the divisor.
     """
-    T: tl.constexpr = 32
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     rmask = rows < R
     r64 = rows.to(tl.int64)
-    g1 = tl.load(g_ptr + rows, mask=rmask, other=1.0)
-    g = tl.broadcast_to(g1[:, None], [ROWS, T])
+    g = tl.load(g_ptr + rows, mask=rmask, other=1.0)
     g_abs = tl.abs(g)
     inv_g = g_abs
     safe = False
     if DIVISOR and FAST_DIV:
         inv_g = _div_rn(tl.full(g.shape, 1.0, tl.float32), g_abs, USE_ASM)  # RN(1/|g|) per row
-        ok = (tl.abs(g1) >= 7.888609052210118e-31) & (tl.abs(g1) <= 1.2676506002282294e30)  # 2^-100, 2^100
+        ok = (g_abs >= 7.888609052210118e-31) & (g_abs <= 1.2676506002282294e30)  # 2^-100, 2^100
         safe = tl.min(tl.where(rmask, ok, True).to(tl.int32), axis=0) == 1
-    t = tl.arange(0, T)
+    in_row = in_ptr + r64 * s_in
+    sc_row = sc_ptr + r64 * s_sc
+    out_row = out_ptr + r64 * s_out
+    osc_row = osc_ptr + r64 * s_osc
     c4 = tl.arange(0, 4)
     c2 = tl.arange(0, 2)
-    in_row = (in_ptr + r64 * s_in)[:, None, None]
-    sc_row = (sc_ptr + r64 * s_sc)[:, None, None]
-    out_row = (out_ptr + r64 * s_out)[:, None, None]
-    osc_row = (osc_ptr + r64 * s_osc)[:, None]
+    m2 = rmask[:, None]
     rsq = tl.zeros([ROWS], tl.float64)
     rsig = tl.zeros([ROWS], tl.float64)
     rmx = tl.zeros([ROWS], tl.float32)
     rclip = tl.zeros([ROWS], tl.int32)
     rexact = tl.zeros([ROWS], tl.int32)
-    for j0 in range(0, NB, T):
-        j = j0 + t  # [T] block indices
-        m = rmask[:, None] & (j < NB)[None, :]  # [ROWS, T]
-        m3 = m[:, :, None]
-        wt = tl.load(in_row + (j[None, :, None] * 4 + c4[None, None, :]), mask=m3, other=0)
-        st = tl.load(sc_row + (j[None, :, None] * 2 + c2[None, None, :]), mask=m3, other=0)
-        w02, w13 = tl.split(tl.reshape(wt, [ROWS, T, 2, 2]))
-        w0, w2 = tl.split(w02)
-        w1, w3 = tl.split(w13)
-        sb0, sb1 = tl.split(st.to(tl.int32))
-        o0, o1, o2, o3, ebyte, sq, sig, mx, clipped, exact = _block(
-            w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
-        ot = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), [ROWS, T, 4])
-        tl.store(out_row + (j[None, :, None] * 4 + c4[None, None, :]), ot, mask=m3)
-        tl.store(osc_row + j[None, :], ebyte.to(tl.uint8), mask=m)
-        if STATS:
-            # Masked slots hold +0: adding them changes nothing (every term is >= +0).
-            rsq = rsq + _tree32(tl.where(m, sq, 0.0), ROWS)
-            rsig = rsig + _tree32(tl.where(m, sig, 0.0), ROWS)
-            rmx = tl.maximum(rmx, tl.max(tl.where(m, mx, 0.0), axis=1))
-            rclip = rclip + tl.sum(tl.where(m, clipped, 0), axis=1)
-            rexact = rexact + tl.sum(tl.where(m, exact, 0), axis=1)
+    # Loads of a tile (TILE blocks per row) are issued before any store of the tile (the output may
+    # alias the input as far as the compiler knows, so a load after a store cannot be hoisted);
+    # PREFETCH also issues the next tile's loads before the current tile is computed.
+    if PREFETCH:
+        w0, s0, w1, s1, w2, s2, w3, s3 = _ld_tile(in_row, sc_row, 0, c4, c2, m2, TILE)
+        for j0 in range(0, NB, TILE):
+            n0, t0, n1, t1, n2, t2, n3, t3 = _ld_tile(in_row, sc_row, j0 + TILE, c4, c2, m2 & (j0 + TILE < NB), TILE)
+            rsq, rsig, rmx, rclip, rexact = _tile(
+                w0, s0, w1, s1, w2, s2, w3, s3, j0, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS, TILE)
+            w0, s0, w1, s1, w2, s2, w3, s3 = n0, t0, n1, t1, n2, t2, n3, t3
+    else:
+        for j0 in range(0, NB, TILE):
+            w0, s0, w1, s1, w2, s2, w3, s3 = _ld_tile(in_row, sc_row, j0, c4, c2, m2, TILE)
+            rsq, rsig, rmx, rclip, rexact = _tile(
+                w0, s0, w1, s1, w2, s2, w3, s3, j0, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
+                rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS, TILE)
     if STATS:
         st_row = st_ptr + r64 * 5
         tl.store(st_row, rsq, mask=rmask)

@@ -124,17 +124,6 @@ static inline double present_max(const double *tab, const double *pm) {
     return v[0];
 }
 
-/* Row sums (NUMERICS.md "Requant statistics"): tiles of ROW_TILE blocks, each summed by a pairwise
- * tree over its (zero-padded) slots, the tile sums added in order. tile[] is reset to +0 after. */
-#define ROW_TILE 32
-static inline double tile_tree(double *tile) {
-    for (int w = ROW_TILE / 2; w >= 1; w >>= 1)
-        for (int i = 0; i < w; i++) tile[i] = tile[2 * i] + tile[2 * i + 1];
-    const double s = tile[0];
-    for (int i = 0; i < ROW_TILE; i++) tile[i] = 0.0;
-    return s;
-}
-
 /* rows [r0, r1): packed u8 [R, kh], s f32 [R, kh/8] (decoded E4M3), g f32 [R];
  * out u8 [R, kh], scales_out u8 [R, kh/16], row_stats f64 [R, 5]. rule: 0 FLOOR 1 EVEN 2 RCEIL 3 MSE. */
 int mxfp4conv_requant_rows(const uint8_t *packed, const float *s, const float *g, int64_t r0, int64_t r1,
@@ -146,7 +135,6 @@ int mxfp4conv_requant_rows(const uint8_t *packed, const float *s, const float *g
         const float ga = fabsf(gv);
         const int gneg = signbit(gv) != 0;
         double rsq = 0.0, rsig = 0.0, rmx = 0.0, rclip = 0.0, rexact = 0.0;
-        double tsq[ROW_TILE] = {0.0}, tsig[ROW_TILE] = {0.0};
         for (int64_t j = 0; j < nb; j++) {
             const uint8_t *pb = packed + row * kh + j * 16;
             uint8_t *ob = out + row * kh + j * 16;
@@ -226,12 +214,8 @@ int mxfp4conv_requant_rows(const uint8_t *packed, const float *s, const float *g
             scales_out[row * nb + j] = (uint8_t)(e + 127);
             rclip += amax > six_pow2f(e);
             rexact += err == 0.0;
-            tsq[j % ROW_TILE] = err;
-            tsig[j % ROW_TILE] = fold(a2, n);
-            if (j % ROW_TILE == ROW_TILE - 1 || j == nb - 1) {
-                rsq += tile_tree(tsq);
-                rsig += tile_tree(tsig);
-            }
+            rsq += err;
+            rsig += fold(a2, n);
             rmx = mx > rmx ? mx : rmx;
         }
         double *st = row_stats + row * 5;
