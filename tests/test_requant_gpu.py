@@ -8,7 +8,9 @@ scales and second-level scales where a reciprocal multiply differs from the IEEE
 
 Skipped without CUDA. For a CPU dry run of the kernel logic in Triton's interpreter (slow, small
 sizes; ``--noconftest`` because conftest skips ``gpu`` tests without CUDA):
-``TRITON_INTERPRET=1 MXFP4CONV_GPU_TEST_SIZE=64x256 pytest --noconftest tests/test_requant_gpu.py``.
+``TRITON_INTERPRET=1 MXFP4CONV_GPU_TEST_SIZE=64x256 pytest --noconftest tests/test_requant_gpu.py``
+(Triton 3.6's interpreter calls ``int()`` on 1-element arrays, which numpy 2.x refuses; we patched a
+private copy of ``triton/runtime/interpreter.py`` for that run).
 """
 
 from __future__ import annotations
