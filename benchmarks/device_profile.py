@@ -5,6 +5,11 @@
 Generates a Qwen3-30B-A3B-like ModelOpt NVFP4 checkpoint, converts it once in-process under cProfile
 (``--no-verify``), and writes OUT_DIR/profile.txt (top functions by total and cumulative time) and
 OUT_DIR/profile.json (the convert report: per-stage seconds, wall, GB/s).
+
+``--sample`` replaces cProfile (which sees the main thread only) by a sampler of every thread's stack
+(``sys._current_frames`` every 2 ms): OUT_DIR/samples.txt lists, per thread, where it spent its
+time (innermost frame of our package or the stdlib call it waits in), so a reader / device / writer /
+hasher thread that bounds the pipeline shows up as the one that is never idle.
 """
 
 from __future__ import annotations
@@ -16,13 +21,51 @@ import json
 import pstats
 import shutil
 import sys
+import threading
 import time
+from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gen_checkpoint import generate
 
 from mxfp4conv.pipeline import ConvertOptions, convert
+
+
+def _where(frame) -> str:  # type: ignore[no-untyped-def]
+    """The innermost frame inside mxfp4conv, and the frame below it (what it is waiting in / calling)."""
+    inner = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"
+    f = frame
+    while f is not None and "mxfp4conv" not in f.f_code.co_filename:
+        f = f.f_back
+    if f is None or f is frame:
+        return inner
+    return f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_code.co_name}:{f.f_lineno} -> {inner}"
+
+
+class Sampler(threading.Thread):
+    def __init__(self, period: float = 0.002) -> None:
+        super().__init__(daemon=True, name="sampler")
+        self.period = period
+        self.stop = threading.Event()
+        self.counts: dict[str, Counter[str]] = defaultdict(Counter)
+
+    def run(self) -> None:
+        me = threading.get_ident()
+        while not self.stop.wait(self.period):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident != me:
+                    self.counts[names.get(ident, str(ident))][_where(frame)] += 1
+
+    def report(self) -> str:
+        lines = []
+        for name, c in sorted(self.counts.items(), key=lambda kv: -sum(kv[1].values())):
+            total = sum(c.values())
+            lines.append(f"== {name}: {total} samples ({total * self.period:.2f} s)")
+            for where, n in c.most_common(12):
+                lines.append(f"  {100 * n / total:5.1f}%  {where}")
+        return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -32,26 +75,42 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--to", default="ct")
     ap.add_argument("--work", type=Path, default=Path("/tmp/prof"))
+    ap.add_argument("--sample", action="store_true", help="sample every thread instead of cProfile")
+    ap.add_argument("--keep-src", action="store_true", help="reuse WORK/src if it is there")
     args = ap.parse_args()
-    shutil.rmtree(args.work, ignore_errors=True)
-    args.work.mkdir(parents=True)
-    src = generate(args.work / "src", "modelopt-nvfp4", args.layers)
+    if args.keep_src and (args.work / "src").is_dir():
+        shutil.rmtree(args.work / "out", ignore_errors=True)
+        src = args.work / "src"
+    else:
+        shutil.rmtree(args.work, ignore_errors=True)
+        args.work.mkdir(parents=True)
+        src = generate(args.work / "src", "modelopt-nvfp4", args.layers)
     size = sum(p.stat().st_size for p in src.rglob("*.safetensors"))
     for p in src.rglob("*.safetensors"):
         p.read_bytes()  # warm page cache
     opts = ConvertOptions(target=args.to, device=args.device, verify=False)
     # warm-up on a copy of one layer's worth is not possible cheaply: JIT time is part of the first unit
-    prof = cProfile.Profile()
-    t0 = time.perf_counter()
-    prof.enable()
-    report = convert(src, args.work / "out", opts)
-    prof.disable()
-    wall = time.perf_counter() - t0
-    buf = io.StringIO()
-    st = pstats.Stats(prof, stream=buf)
-    st.sort_stats("tottime").print_stats(35)
-    st.sort_stats("cumulative").print_stats(45)
-    (args.out / "profile.txt").write_text(buf.getvalue())
+    if args.sample:
+        sampler = Sampler()
+        sampler.start()
+        t0 = time.perf_counter()
+        report = convert(src, args.work / "out", opts)
+        wall = time.perf_counter() - t0
+        sampler.stop.set()
+        sampler.join()
+        (args.out / "samples.txt").write_text(sampler.report())
+    else:
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        report = convert(src, args.work / "out", opts)
+        prof.disable()
+        wall = time.perf_counter() - t0
+        buf = io.StringIO()
+        st = pstats.Stats(prof, stream=buf)
+        st.sort_stats("tottime").print_stats(35)
+        st.sort_stats("cumulative").print_stats(45)
+        (args.out / "profile.txt").write_text(buf.getvalue())
     doc = {"layers": args.layers, "bytes": size, "wall_s": round(wall, 3), "GBps": round(size / wall / 1e9, 3),
            "seconds": report.to_dict().get("seconds")}
     (args.out / "profile.json").write_text(json.dumps(doc, indent=1))

@@ -6,6 +6,7 @@ callback and the result is a ``ConvertReport``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -28,7 +29,7 @@ from mxfp4conv.errors import InputError, OutputError, UsageError
 from mxfp4conv.inspect import SCHEMA_VERSION, analyze, writer_context
 from mxfp4conv.io.atomic import check_destination, publish, remove_tree, staging_path
 from mxfp4conv.io.checkpoint import PICKLE_SUFFIXES, Checkpoint, open_checkpoint
-from mxfp4conv.io.safetensors_io import FileSlice, st_dtype, write_safetensors
+from mxfp4conv.io.safetensors_io import FileSlice, InflightBudget, st_dtype, stream_safetensors
 from mxfp4conv.layouts.base import Plan
 from mxfp4conv.writers import OutTensor, Target, WriterContext, get_target, resolve_auto
 from mxfp4conv.writers.base import UnitSpec
@@ -518,59 +519,94 @@ def _write_all(ckpt: Checkpoint, layout: Any, target: Target, plan: Plan,
                report: ConvertReport, on_progress: Progress | None,
                resume: tuple[dict[str, dict[str, Any]], dict[str, Any]]) -> dict[str, str]:
     finished, fingerprint = resume
-    progress_path = _progress_file(staging, opts)
-    mine: dict[str, dict[str, Any]] = {}
     outputs: dict[str, str] = {}
+    fin = _ShardFinisher(_progress_file(staging, opts), fingerprint, report, outputs)
     total = sum(s.nbytes for _, _, shards in shard_plans for s in shards)
     done = [0]
-    j = -1
-    for folder, rctx, shards in shard_plans:
-        out_dir = staging / folder if folder else staging
-        out_dir.mkdir(exist_ok=True)
-        wmap: dict[str, str] = {}
-        for shard in shards:
-            j += 1
-            rel = f"{folder}/{shard.file}" if folder else shard.file
-            wmap.update(dict.fromkeys((t.name for t in shard.tensors), shard.file))
-            if opts.partition is not None and j % opts.partition[1] != opts.partition[0]:
+    try:
+        j = -1
+        for folder, rctx, shards in shard_plans:
+            out_dir = staging / folder if folder else staging
+            out_dir.mkdir(exist_ok=True)
+            wmap: dict[str, str] = {}
+            for shard in shards:
+                j += 1
+                rel = f"{folder}/{shard.file}" if folder else shard.file
+                wmap.update(dict.fromkeys((t.name for t in shard.tensors), shard.file))
+                if opts.partition is not None and j % opts.partition[1] != opts.partition[0]:
+                    continue
+                t0 = time.perf_counter()
+                path = out_dir / shard.file
+                rec = finished.get(rel)
+                if _reuse(path, rec):
+                    assert rec is not None
+                    outputs[rel] = rec["sha256"]
+                    report.requant_stats.update(rec.get("stats", {}))
+                    done[0] += shard.nbytes
+                    fin.mine[rel] = rec
+                    continue
+                if opts.finish:
+                    raise UsageError(f"shard {rel} is missing or damaged in the staging folder",
+                                     hint="rerun the --partition i/n conversion that owns it (shard index mod n)")
+                remove_tree(path)
+                before = set(report.requant_stats)
+                entries = [(t.name, t.dtype, t.shape) for t in shard.tensors]
+                meta = target.shard_metadata(rctx)
+                fut = stream_safetensors(path, entries,
+                                         _encode_shard(shard, ckpt, layout, target, rctx, opts, report, on_progress, done, total),
+                                         meta, fin.budget)
+                report.seconds["write"] = report.seconds.get("write", 0.0) + time.perf_counter() - t0
+                fin.settle()  # the previous shard, whose hash and fsync overlapped this one's production
+                fin.pending.append((rel, fut, {k: report.requant_stats[k] for k in set(report.requant_stats) - before}))
+            fin.settle()
+            if opts.partition is not None:
                 continue
-            t0 = time.perf_counter()
-            path = out_dir / shard.file
-            rec = finished.get(rel)
-            if _reuse(path, rec):
-                assert rec is not None
-                outputs[rel] = rec["sha256"]
-                report.requant_stats.update(rec.get("stats", {}))
-                done[0] += shard.nbytes
-                mine[rel] = rec
-                continue
-            if opts.finish:
-                raise UsageError(f"shard {rel} is missing or damaged in the staging folder",
-                                 hint="rerun the --partition i/n conversion that owns it (shard index mod n)")
-            remove_tree(path)
-            before = set(report.requant_stats)
-            entries = [(t.name, t.dtype, t.shape) for t in shard.tensors]
-            meta = target.shard_metadata(rctx)
-            digest = write_safetensors(path, entries,
-                                       _encode_shard(shard, ckpt, layout, target, rctx, opts, report, on_progress, done, total),
-                                       meta)
-            outputs[rel] = digest
-            mine[rel] = {"sha256": digest, "stats": {k: report.requant_stats[k] for k in set(report.requant_stats) - before}}
-            tmp = progress_path.with_suffix(".tmp")
-            tmp.write_bytes(_json_bytes({"fingerprint": fingerprint, "shards": mine}))
-            os.replace(tmp, progress_path)
-            report.seconds["write"] = report.seconds.get("write", 0.0) + time.perf_counter() - t0
-        if opts.partition is not None:
-            continue
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": dict(sorted(wmap.items()))}
-            (out_dir / "model.safetensors.index.json").write_bytes(_json_bytes(index))
-        (out_dir / "config.json").write_bytes(_json_bytes(target.config(ckpt.config, rctx)))
-        _copy_extras(ckpt.root, out_dir, drop_hqc=plan.layout != "modelopt-nvfp4" or rctx.options.get("keep_nvfp4") != "1")
-        for p in sorted(out_dir.iterdir()):
-            rel = f"{folder}/{p.name}" if folder else p.name
-            if p.is_file() and rel not in outputs and not p.name.startswith(".mxfp4conv-progress"):
-                outputs[rel] = _sha256(p)
+            if len(shards) > 1:
+                index = {"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": dict(sorted(wmap.items()))}
+                (out_dir / "model.safetensors.index.json").write_bytes(_json_bytes(index))
+            (out_dir / "config.json").write_bytes(_json_bytes(target.config(ckpt.config, rctx)))
+            _copy_extras(ckpt.root, out_dir, drop_hqc=plan.layout != "modelopt-nvfp4" or rctx.options.get("keep_nvfp4") != "1")
+            for p in sorted(out_dir.iterdir()):
+                rel = f"{folder}/{p.name}" if folder else p.name
+                if p.is_file() and rel not in outputs and not p.name.startswith(".mxfp4conv-progress"):
+                    outputs[rel] = _sha256(p)
+    except BaseException:
+        fin.drain()  # never leave a writer running into a folder that is about to be removed
+        raise
     report.seconds["write"] = report.seconds.get("write", 0.0) - report.seconds.get("read", 0.0) - report.seconds.get("transform", 0.0)
     report.bytes_written = done[0]
     return dict(sorted(outputs.items()))
+
+
+class _ShardFinisher:
+    """Shards whose last hashing and fsync run on a helper thread while the next shard is produced:
+    one pending at most, their queued bytes under one budget. A shard is recorded as finished (in
+    the progress file that --resume reads) only once its digest is known."""
+
+    def __init__(self, progress_path: Path, fingerprint: dict[str, Any], report: ConvertReport,
+                 outputs: dict[str, str]) -> None:
+        self.progress_path = progress_path
+        self.fingerprint = fingerprint
+        self.report = report
+        self.outputs = outputs
+        self.mine: dict[str, dict[str, Any]] = {}
+        self.budget = InflightBudget()
+        self.pending: list[tuple[str, Future[str], dict[str, Any]]] = []
+
+    def settle(self) -> None:
+        while self.pending:
+            rel, fut, stats = self.pending.pop()
+            t0 = time.perf_counter()
+            digest = fut.result()
+            self.report.seconds["write"] = self.report.seconds.get("write", 0.0) + time.perf_counter() - t0
+            self.outputs[rel] = digest
+            self.mine[rel] = {"sha256": digest, "stats": stats}
+            tmp = self.progress_path.with_suffix(".tmp")
+            tmp.write_bytes(_json_bytes({"fingerprint": self.fingerprint, "shards": self.mine}))
+            os.replace(tmp, self.progress_path)
+
+    def drain(self) -> None:
+        for _, fut, _ in self.pending:
+            with contextlib.suppress(BaseException):
+                fut.result()
+        self.pending.clear()

@@ -29,6 +29,7 @@ __all__ = [
     "F8_E4M3_MAX",
     "e2m1_decode",
     "e2m1_encode",
+    "e4m3_bits",
     "e4m3_decode",
     "e4m3_nan_mask",
     "e8m0_decode",
@@ -173,6 +174,11 @@ def _as_bits(t: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.uint8:
         return t
     raise TypeError(f"expected float8_e4m3fn or uint8 bit patterns, got {t.dtype}")
+
+
+def e4m3_bits(t: torch.Tensor) -> torch.Tensor:
+    """The uint8 bit patterns of E4M3 scales (float8_e4m3fn viewed as bytes, or uint8 as is; no copy)."""
+    return _as_bits(t)
 
 
 def e4m3_decode(t: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from mxfp4conv.formats.fp4 import F4_E2M1_MAX, e2m1_decode, e4m3_decode, e4m3_nan_mask, unpack_nibbles
+from mxfp4conv.formats.fp4 import (
+    F4_E2M1_MAX,
+    e2m1_decode,
+    e4m3_bits,
+    e4m3_decode,
+    e4m3_nan_mask,
+    unpack_nibbles,
+)
 
 __all__ = ["MAX_REQUANT_MAGNITUDE", "NV_BLOCK", "dequantize_nvfp4", "validate_nvfp4_scales"]
 
@@ -78,9 +85,14 @@ def validate_nvfp4_scales(
         return (
             f"global scale shape {tuple(global_rows.shape)} does not match block scales {tuple(scales.shape)}"
         )
-    idx = _first(e4m3_nan_mask(scales))
-    if idx is not None:
-        return f"NaN e4m3 block scale at index {idx}"
+    # One pass over the block scales: each row's largest magnitude byte. E4M3 magnitudes order as
+    # their bytes (sign cleared), the NaN pattern 0x7F is the largest, and multiplying or dividing
+    # by one positive row scale is monotonic under rounding, so the row maxima decide every check
+    # exactly; the full tensors are looked at only to name the first bad element.
+    bits = e4m3_bits(scales)
+    row_max = (bits & 0x7F).amax(dim=-1) if bits.shape[-1] else torch.zeros(bits.shape[:-1], dtype=torch.uint8)
+    if bool((row_max == 0x7F).any()):
+        return f"NaN e4m3 block scale at index {_first(e4m3_nan_mask(scales))}"
     g = global_rows.float()
     idx = _first(~torch.isfinite(g))
     if idx is not None:
@@ -89,10 +101,11 @@ def validate_nvfp4_scales(
     if idx is not None:
         return f"zero global scale at row {idx}"
     if divisor is not None:
-        top = e4m3_decode(scales) * F4_E2M1_MAX  # exact
-        gb = g[..., None]
-        top = (top / gb if divisor else top * gb).abs()
-        idx = _first(top >= MAX_REQUANT_MAGNITUDE)
-        if idx is not None:
-            return f"dequantized value out of range (>= 1.75 * 2^127) at block {idx}"
+        top = e4m3_decode(row_max) * F4_E2M1_MAX  # exact
+        top = (top / g if divisor else top * g).abs()
+        if bool((top >= MAX_REQUANT_MAGNITUDE).any()):  # error path: the first block, in element order
+            full = e4m3_decode(scales) * F4_E2M1_MAX
+            gb = g[..., None]
+            full = (full / gb if divisor else full * gb).abs()
+            return f"dequantized value out of range (>= 1.75 * 2^127) at block {_first(full >= MAX_REQUANT_MAGNITUDE)}"
     return None

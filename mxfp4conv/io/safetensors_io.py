@@ -21,6 +21,7 @@ import stat
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -36,9 +37,13 @@ __all__ = [  # and DTYPES, built lazily by the module __getattr__
     "MAX_HEADER_BYTES",
     "MAX_JSON_BYTES",
     "FileSlice",
+    "InflightBudget",
     "TensorRef",
     "load_json",
     "read_header",
+    "read_many",
+    "stream_safetensors",
+    "tensor_view",
     "write_safetensors",
 ]
 
@@ -179,15 +184,19 @@ class TensorRef:
         return torch_dtype(self.dtype)
 
     def _read_into(self, buf: memoryview) -> None:
+        read_many([(self, buf)])
+
+    def read_part(self, buf: memoryview, offset: int) -> None:
+        """Read the tensor's bytes ``[offset, offset + len(buf))`` into ``buf``; a short read (the
+        file shrank under us) raises ``InputError`` naming the file and the tensor."""
         fd = os.open(self.file, os.O_RDONLY)
         try:
-            pos, done = self.begin, 0
+            done = 0
             while done < len(buf):
-                got = os.preadv(fd, [buf[done:done + (1 << 30)]], pos)
+                got = os.preadv(fd, [buf[done:]], self.begin + offset + done)  # a short read is legal: loop
                 if got <= 0:
                     raise InputError("file ended inside the tensor's data (truncated shard?)",
                                      file=str(self.file), tensor=self.name, hint="download the shard again")
-                pos += got
                 done += got
         finally:
             os.close(fd)
@@ -200,12 +209,11 @@ class TensorRef:
 
     def read_into(self, out: torch.Tensor) -> None:
         """Read the tensor's bytes into ``out`` (a contiguous CPU tensor of exactly ``nbytes``)."""
-        import torch
 
         if not out.is_contiguous() or out.numel() * out.element_size() != self.nbytes:
             raise ValueError(f"{self.name}: destination of {out.numel() * out.element_size()} bytes, need {self.nbytes}")
         if self.nbytes:
-            self._read_into(memoryview(out.view(-1).view(torch.uint8).numpy()).cast("B"))  # type: ignore[arg-type]
+            self._read_into(tensor_view(out))
 
     def load(self) -> torch.Tensor:
         """Read the tensor (CPU, own memory), with one copy from the page cache into the tensor."""
@@ -216,6 +224,46 @@ class TensorRef:
         if self.nbytes:
             self._read_into(memoryview(raw.numpy()).cast("B"))  # type: ignore[arg-type]
         return raw.view(dtype).reshape(self.shape)
+
+
+def tensor_view(out: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor (no copy)."""
+    import torch
+
+    return memoryview(out.view(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+# Reads are split into pieces of at most READ_PIECE bytes that run on a shared pool of
+# READ_THREADS threads (``preadv`` releases the GIL): one thread copies from the page cache at a
+# fraction of the memory bandwidth, and a unit is made of many tensors (a Qwen3-30B-A3B layer: 1,536).
+READ_PIECE = 16 << 20
+READ_THREADS = max(1, min(8, os.cpu_count() or 1))
+_pool_lock = threading.Lock()
+_read_pool: Any = None
+
+
+def _pool() -> Any:
+    global _read_pool
+    with _pool_lock:
+        if _read_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _read_pool = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="mxfp4conv-io")
+        return _read_pool
+
+
+def read_many(items: list[tuple[TensorRef, memoryview]]) -> None:
+    """Read each tensor's bytes into its buffer (exactly ``nbytes`` long), in parallel pieces."""
+    pieces = []
+    for ref, buf in items:
+        if len(buf) != ref.nbytes:
+            raise ValueError(f"{ref.name}: destination of {len(buf)} bytes, need {ref.nbytes}")
+        pieces += [(ref, buf[off:off + READ_PIECE], off) for off in range(0, ref.nbytes, READ_PIECE)]
+    if len(pieces) <= 1 or READ_THREADS == 1:
+        for ref, part, off in pieces:
+            ref.read_part(part, off)
+    else:
+        list(_pool().map(lambda p: p[0].read_part(p[1], p[2]), pieces))
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
@@ -312,11 +360,32 @@ def write_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]]
 
     ``entries`` declares (name, dtype, shape) in file order, so the header is written first and
     ``data`` (one item per entry, in the same order) can be produced lazily. Writing and hashing
-    run on a background thread (both release the GIL), overlapping with the producer's reading
+    run on background threads (both release the GIL), overlapping with the producer's reading
     and transforming; at most ``max_inflight`` bytes (or one item, if larger) are queued.
     """
+    return stream_safetensors(path, entries, data, metadata, InflightBudget(max_inflight)).result()
+
+
+class InflightBudget:
+    """Bytes queued for writing and hashing, shared by the shards being written at once (a shard
+    still finishing its hash while the next one is produced): the producer waits while the total
+    would exceed ``limit`` (one item larger than the limit is let through when nothing is queued)."""
+
+    def __init__(self, limit: int = 1 << 30) -> None:
+        self.limit = limit
+        self.used = 0
+        self.cond = threading.Condition()
+
+
+def stream_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]]],
+                       data: Iterable[bytes | torch.Tensor | FileSlice],
+                       metadata: dict[str, str] | None = None,
+                       budget: InflightBudget | None = None) -> Future[str]:
+    """``write_safetensors`` that returns as soon as every item is queued: the future resolves to
+    the sha256 once the shard's writer and hasher threads are done and the file is fsynced (or to
+    the ``OutputError`` they met). The caller must wait for it before using or removing the file."""
     sized = [(n, d, s, math.prod(s) * ITEMSIZE[d]) for n, d, s in entries]
-    writer = _BackgroundWriter(path, max_inflight)
+    writer = _BackgroundWriter(path, budget or InflightBudget())
     try:
         writer.put(_header_bytes(sized, metadata))
         for (name, dtype, shape, nbytes), item in zip(sized, _iter_checked(data, len(sized)), strict=False):
@@ -325,10 +394,19 @@ def write_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]]
             if size != nbytes:
                 raise AssertionError(f"{name}: produced {size} bytes, planned {nbytes} ({dtype}{list(shape)})")
             writer.put(raw)
-        return writer.close()
     except BaseException:
         writer.abort()
         raise
+    done: Future[str] = Future()
+
+    def finish() -> None:
+        try:
+            done.set_result(writer.close())
+        except BaseException as exc:
+            done.set_exception(exc)
+
+    threading.Thread(target=finish, name="mxfp4conv-finish", daemon=True).start()
+    return done
 
 
 class _BackgroundWriter:
@@ -337,7 +415,7 @@ class _BackgroundWriter:
     source file is hashed from the source bytes (they are the output bytes). Errors surface on
     put/close; a buffer's memory is released once both threads are done with it."""
 
-    def __init__(self, path: Path, max_inflight: int) -> None:
+    def __init__(self, path: Path, budget: InflightBudget) -> None:
         try:
             self._fh = open(path, "xb", buffering=0)  # noqa: SIM115 - closed by close()/abort()
         except OSError as exc:
@@ -350,9 +428,7 @@ class _BackgroundWriter:
         self._hbuf: memoryview | None = None  # read buffer of the hasher thread
         self._wq: queue.Queue[list[Any] | None] = queue.Queue()
         self._hq: queue.Queue[list[Any] | None] = queue.Queue()
-        self._cond = threading.Condition()
-        self._inflight = 0
-        self._max = max_inflight
+        self._budget = budget
         self._error: BaseException | None = None
         self._threads = [threading.Thread(target=self._loop, args=(self._wq, self._write_item), name="mxfp4conv-writer",
                                           daemon=True),
@@ -371,11 +447,11 @@ class _BackgroundWriter:
                     fn(item[0])
             except BaseException as exc:  # reported to the producer
                 self._error = exc
-            with self._cond:
+            with self._budget.cond:
                 item[1] -= 1
                 if item[1] == 0:
-                    self._inflight -= 0 if isinstance(item[0], FileSlice) else len(item[0])
-                self._cond.notify_all()
+                    self._budget.used -= 0 if isinstance(item[0], FileSlice) else len(item[0])
+                self._budget.cond.notify_all()
 
     def _write_item(self, raw: bytes | memoryview | FileSlice) -> None:
         if isinstance(raw, FileSlice):
@@ -444,10 +520,11 @@ class _BackgroundWriter:
     def put(self, raw: bytes | memoryview | FileSlice) -> None:
         self._raise()
         size = 0 if isinstance(raw, FileSlice) else len(raw)  # slices hold no memory
-        with self._cond:
-            while self._inflight and self._inflight + size > self._max and self._error is None:
-                self._cond.wait()
-            self._inflight += size
+        b = self._budget
+        with b.cond:
+            while b.used and b.used + size > b.limit and self._error is None:
+                b.cond.wait()
+            b.used += size
         item: list[Any] = [raw, 2]
         self._wq.put(item)
         self._hq.put(item)

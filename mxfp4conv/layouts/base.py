@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, ModelFacts, MoELayer, Passthrough, UnitSpec
 from mxfp4conv.errors import InputError
 from mxfp4conv.io.checkpoint import Checkpoint
-from mxfp4conv.io.safetensors_io import TensorRef
+from mxfp4conv.io.safetensors_io import TensorRef, read_many, tensor_view
 
 __all__ = [
     "EXPERT_RE",
@@ -330,6 +330,7 @@ def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[in
     first = refs[0]
     cols = first.shape[1]
     out = torch.empty((num, sum(rows), cols), dtype=torch.uint8, pin_memory=pin)
+    jobs = []
     r0 = 0
     for j, n in enumerate(rows):
         for e in range(num):
@@ -338,8 +339,9 @@ def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[in
                 raise InputError(f"shape {list(ref.shape)} {ref.dtype} differs from its partners' "
                                  f"{[n, first.shape[1]]} {first.dtype}", file=ckpt.rel(ref.file), tensor=ref.name,
                                  hint="the checkpoint is inconsistent; re-export it")
-            ref.read_into(out[e, r0:r0 + n])
+            jobs.append((ref, tensor_view(out[e, r0:r0 + n])))
         r0 += n
+    read_many(jobs)  # every tensor of the stack, in parallel pieces
     return out
 
 

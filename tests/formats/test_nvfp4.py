@@ -119,3 +119,41 @@ def test_validate_overflow_depends_on_convention() -> None:
     assert validate_nvfp4_scales(sc, ok, divisor=False) is None
     bad = torch.tensor([float(np.nextafter(edge, np.float32(np.inf)))])
     assert validate_nvfp4_scales(sc, bad, divisor=False) == want
+
+
+def _validate_brute(sc: torch.Tensor, g: torch.Tensor, divisor: bool) -> str | None:
+    """The element-by-element checks, as the validator documents them (the reference)."""
+    bits = sc.view(torch.uint8) if sc.dtype == torch.float8_e4m3fn else sc
+    nan = (bits & 0x7F) == 0x7F
+    if bool(nan.any()):
+        return f"NaN e4m3 block scale at index {tuple(int(i) for i in nan.nonzero()[0])}"
+    top = sc.view(torch.float8_e4m3fn).float() * 6.0
+    top = (top / g[..., None] if divisor else top * g[..., None]).abs()
+    over = top >= MAX_REQUANT_MAGNITUDE
+    if bool(over.any()):
+        return ("dequantized value out of range (>= 1.75 * 2^127) at block "
+                f"{tuple(int(i) for i in over.nonzero()[0])}")
+    return None
+
+
+@pytest.mark.parametrize("divisor", [False, True])
+def test_validate_row_maxima_decide_like_every_element(divisor: bool) -> None:
+    """The validator reads only each row's largest magnitude byte; on random scales (every byte,
+    signs, rare NaNs) and row scales placed on both sides of the overflow edge of each row's own
+    maximum, it reports exactly what the element-by-element check reports."""
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(60):
+        sc = torch.randint(0, 256, (3, 5, 8), generator=gen, dtype=torch.uint8)
+        sc[(sc & 0x7F) == 0x7F] = 0x3F if trial % 7 else 0x7F  # NaNs in a few trials only
+        mags = (sc & 0x7F)
+        mags[mags == 0x7F] = 0
+        row_top = mags.amax(-1).view(torch.float8_e4m3fn).float() * 6.0
+        row_top[row_top == 0] = 1.0
+        edge = (MAX_REQUANT_MAGNITUDE / row_top) if not divisor else (row_top / MAX_REQUANT_MAGNITUDE)
+        edge = edge.float()
+        nudge = torch.randint(-2, 3, edge.shape, generator=gen)  # a few ulps either side of the edge
+        g = torch.tensor(np.nextafter(edge.numpy(), np.where(nudge.numpy() > 0, np.inf, 0)).astype(np.float32))
+        g = torch.where(nudge == 0, edge, g)
+        g = torch.where(torch.rand(edge.shape, generator=gen) < 0.1, g, torch.ones_like(g))
+        g = g * torch.where(torch.rand(edge.shape, generator=gen) < 0.3, -1.0, 1.0)
+        assert validate_nvfp4_scales(sc, g, divisor=divisor) == _validate_brute(sc, g, divisor), trial

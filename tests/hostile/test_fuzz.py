@@ -293,6 +293,9 @@ class FakeRef(TensorRef):
     def read_into(self, out: torch.Tensor) -> None:
         out.view(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(self.read_bytes()), dtype=torch.uint8))
 
+    def read_part(self, buf: memoryview, offset: int) -> None:
+        buf[:] = self.read_bytes()[offset:offset + len(buf)]
+
 
 _SPLIT = {  # layout -> (packed, scale, scale dtype, group, partners {suffix: (dtype, shape fn)})
     "ct-mxfp4": ("weight_packed", "weight_scale", "U8", 32, {}),

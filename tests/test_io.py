@@ -1,0 +1,94 @@
+"""The shard reader's parallel pieces and the streamed shard writer (deferred finish, shared budget)."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mxfp4conv.errors import InputError, OutputError
+from mxfp4conv.io import safetensors_io as sio
+
+
+def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "big": torch.randint(0, 256, (1000, 1037), generator=g, dtype=torch.uint8),  # 1,037,000 bytes
+        "odd": torch.randn(7, 13, generator=g).to(torch.bfloat16),
+        "empty": torch.zeros(0, 4),
+        "small": torch.randint(0, 256, (33,), generator=g, dtype=torch.uint8),
+    }
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_read_many_in_pieces_matches_safetensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    """Tensors split into many pieces (uneven last piece), read on a pool or inline, are the bytes
+    the safetensors library reads; load / read_into / read_bytes all go through it."""
+    path = tmp_path / "a.safetensors"
+    want = _tensors()
+    save_file(want, str(path))
+    monkeypatch.setattr(sio, "READ_PIECE", 4099)  # 253 pieces for "big", the last one short
+    monkeypatch.setattr(sio, "READ_THREADS", threads)
+    refs, _ = sio.read_header(path)
+    bufs = {n: torch.empty(r.nbytes, dtype=torch.uint8) for n, r in refs.items()}
+    sio.read_many([(refs[n], sio.tensor_view(bufs[n])) for n in refs])
+    ref_lib = load_file(str(path))
+    for n, r in refs.items():
+        assert bufs[n].numpy().tobytes() == ref_lib[n].contiguous().view(-1).view(torch.uint8).numpy().tobytes(), n
+        assert torch.equal(r.load(), ref_lib[n]), n
+        assert r.read_bytes() == bufs[n].numpy().tobytes()
+    out = torch.empty_like(ref_lib["big"])
+    refs["big"].read_into(out)
+    assert torch.equal(out, ref_lib["big"])
+    with pytest.raises(ValueError, match="destination"):
+        sio.read_many([(refs["big"], memoryview(bytearray(5)))])
+
+
+def test_read_many_short_file_names_file_and_tensor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "a.safetensors"
+    save_file(_tensors(), str(path))
+    refs, _ = sio.read_header(path)
+    monkeypatch.setattr(sio, "READ_PIECE", 1 << 12)
+    with open(path, "r+b") as fh:  # the file shrinks after its header was read
+        fh.truncate(refs["big"].begin + 10_000)
+    buf = torch.empty(refs["big"].nbytes, dtype=torch.uint8)
+    with pytest.raises(InputError) as exc:
+        sio.read_many([(refs["big"], sio.tensor_view(buf))])
+    assert exc.value.tensor == "big" and str(path) in str(exc.value.file)
+
+
+def test_stream_returns_before_the_hash_and_fsync_and_resolves_to_the_sha256(tmp_path: Path) -> None:
+    """Two shards under one tiny budget (items larger than it pass one at a time): both futures
+    resolve to their files' sha256 and the files load in the safetensors library."""
+    budget = sio.InflightBudget(1 << 10)
+    futs = []
+    for i in range(2):
+        t = _tensors(i)
+        entries = [(n, sio.st_dtype(v.dtype), tuple(v.shape)) for n, v in t.items()]
+        futs.append((tmp_path / f"{i}.safetensors", t,
+                     sio.stream_safetensors(tmp_path / f"{i}.safetensors", entries, iter(t.values()), None, budget)))
+    for path, t, fut in futs:
+        assert fut.result(timeout=60) == hashlib.sha256(path.read_bytes()).hexdigest()
+        back = load_file(str(path))
+        assert all(torch.equal(back[n], v) for n, v in t.items())
+    assert budget.used == 0
+    assert not [th for th in threading.enumerate() if th.name.startswith(("mxfp4conv-writer", "mxfp4conv-hasher"))]
+
+
+def test_stream_write_error_surfaces_from_the_future_or_the_put(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write failure (here: a full disk) reaches the caller as an OutputError naming the shard."""
+
+    def full(self: object, raw: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sio._BackgroundWriter, "_write", full)
+    t = _tensors()
+    entries = [(n, sio.st_dtype(v.dtype), tuple(v.shape)) for n, v in t.items()]
+    path = tmp_path / "x.safetensors"
+    with pytest.raises(OutputError, match="No space left") as exc:
+        sio.stream_safetensors(path, entries, iter(t.values())).result(timeout=60)
+    assert exc.value.file == str(path)
