@@ -255,17 +255,24 @@ def direct_slices(spec: UnitSpec, ckpt: Checkpoint, target: Target, ctx: WriterC
 
 def _unit_results(shard: _ShardPlan, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext,
                   opts: ConvertOptions) -> Iterator[tuple[list[torch.Tensor], dict[str, Any], float, float]]:
-    """Units in plan order. One device: the next unit is read on a helper thread while this one is
-    transformed (two units in memory at most). Several devices: one unit per device in flight, each
-    read and transformed on its device's thread."""
+    """Units in plan order. One device: units ahead are read on a helper thread while this one is
+    transformed: always the next one, and more while the bytes read ahead stay within the largest
+    unit's (small attention / norm units then never leave the reader idle before a big MoE layer), so
+    at most about two of the largest units are in memory. Several devices: one unit per device in
+    flight, each read and transformed on its device's thread."""
     devs = _devices(opts)
     if len(devs) == 1:
+        units = shard.units
+        sizes = [sum(ckpt.tensors[n].nbytes for n in spec.sources if n in ckpt.tensors) for spec in units]
+        limit = max(sizes, default=0)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4conv-read") as reader:
-            ahead: Future[tuple[Any, float]] | None = None
-            for i, spec in enumerate(shard.units):
-                source = ahead.result() if ahead is not None else _read(spec, ckpt, layout, target, ctx, devs[0])
-                ahead = (reader.submit(_read, shard.units[i + 1], ckpt, layout, target, ctx, devs[0])
-                         if i + 1 < len(shard.units) else None)
+            ahead: dict[int, Future[tuple[Any, float]]] = {}
+            nxt = 0
+            for i, spec in enumerate(units):
+                while nxt < len(units) and (nxt <= i + 1 or sum(sizes[i + 1:nxt + 1]) <= limit):
+                    ahead[nxt] = reader.submit(_read, units[nxt], ckpt, layout, target, ctx, devs[0])
+                    nxt += 1
+                source = ahead.pop(i).result()
                 yield _transform(spec, ckpt, layout, target, ctx, opts, devs[0], source)
         return
     with ThreadPoolExecutor(max_workers=len(devs), thread_name_prefix="mxfp4conv-unit") as pool:
