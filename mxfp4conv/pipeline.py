@@ -250,7 +250,7 @@ def direct_slices(spec: UnitSpec, ckpt: Checkpoint, target: Target, ctx: WriterC
                 and b"\xff" in ref.read_bytes()):
             raise InputError("E8M0 scale byte 0xFF (NaN) is not a valid MXFP4 scale", file=ckpt.rel(ref.file),
                              tensor=ref.name, hint="the checkpoint is corrupt; re-export it")
-    return [FileSlice(r.file, r.begin, r.nbytes) for r in refs]
+    return [FileSlice(r.file, r.begin, r.nbytes, r.name) for r in refs]
 
 
 def _unit_results(shard: _ShardPlan, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext,

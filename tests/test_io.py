@@ -92,3 +92,68 @@ def test_stream_write_error_surfaces_from_the_future_or_the_put(tmp_path: Path, 
     with pytest.raises(OutputError, match="No space left") as exc:
         sio.stream_safetensors(path, entries, iter(t.values())).result(timeout=60)
     assert exc.value.file == str(path)
+
+
+def _copy_job(tmp_path: Path) -> tuple[Path, list[tuple[str, str, tuple[int, ...]]], list[sio.FileSlice], bytes]:
+    """A source shard and the FileSlices that rename its tensors into a new shard."""
+    src = tmp_path / "src.safetensors"
+    t = _tensors()
+    save_file(t, str(src))
+    refs, _ = sio.read_header(src)
+    entries = [(f"renamed.{n}", r.dtype, r.shape) for n, r in refs.items()]
+    slices = [sio.FileSlice(r.file, r.begin, r.nbytes, r.name) for r in refs.values()]
+    return src, entries, slices, b"".join(r.read_bytes() for r in refs.values())
+
+
+@pytest.mark.parametrize("fail_after", [0, 1])
+def test_copy_falls_back_to_read_write_when_copy_file_range_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_after: int) -> None:
+    """A filesystem pair that refuses copy_file_range (EXDEV here), at once or after a first piece,
+    still gets every byte, through read/write, and the digest of the file as written."""
+    import errno
+    import os
+
+    _, entries, slices, data = _copy_job(tmp_path)
+    real = os.copy_file_range
+    calls = [0]
+
+    def cfr(*a: int) -> int:
+        calls[0] += 1
+        if calls[0] > fail_after:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real(a[0], a[1], min(1000, a[2]), a[3])  # a short copy: the rest must follow from the right offset
+
+    monkeypatch.setattr(sio, "COPY_MODE", "copy_file_range")
+    monkeypatch.setattr(sio.os, "copy_file_range", cfr)
+    out = tmp_path / "out.safetensors"
+    digest = sio.stream_safetensors(out, entries, iter(slices)).result(timeout=60)
+    assert digest == hashlib.sha256(out.read_bytes()).hexdigest()
+    back = load_file(str(out))
+    assert b"".join(back[n].contiguous().view(-1).view(torch.uint8).numpy().tobytes() for n, _, _ in entries) == data
+    assert calls[0] == fail_after + 1  # refused once, then read/write for the rest of the shard
+
+
+def test_copy_file_range_errors_other_than_refusal_fail_the_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    _, entries, slices, _ = _copy_job(tmp_path)
+
+    def full(*a: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sio, "COPY_MODE", "copy_file_range")
+    monkeypatch.setattr(sio.os, "copy_file_range", full)
+    with pytest.raises(OutputError, match="No space left"):
+        sio.stream_safetensors(tmp_path / "out.safetensors", entries, iter(slices)).result(timeout=60)
+
+
+@pytest.mark.parametrize("mode", ["copy_file_range", "readwrite"])
+def test_copy_of_a_source_truncated_meanwhile_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    src, entries, slices, _ = _copy_job(tmp_path)
+    monkeypatch.setattr(sio, "COPY_MODE", mode)
+    cut = min((s for s in slices if s.length > 100), key=lambda s: s.begin)  # the first tensor the cut lands in
+    with open(src, "r+b") as fh:
+        fh.truncate(cut.begin + 100)
+    with pytest.raises(InputError, match="ended inside the tensor") as exc:
+        sio.stream_safetensors(tmp_path / "out.safetensors", entries, iter(slices)).result(timeout=60)
+    assert exc.value.file == str(src) and exc.value.tensor == cut.name

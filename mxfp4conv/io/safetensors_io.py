@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import itertools
 import json
@@ -127,13 +128,16 @@ class FileSlice:
     file: Path
     begin: int
     length: int
+    name: str = ""  # the source tensor (for error messages)
 
 
 COPY_CHUNK = 16 << 20
-# How the writer thread copies a source byte range: "readwrite" (pread into a reused buffer, write) or
-# "copy_file_range" (kernel-side). Either way the hasher thread reads the same range itself.
-# Measured in BENCHMARKS.md (read/write is not slower, so it stays the default).
-COPY_MODE = os.environ.get("MXFP4CONV_COPY", "readwrite")
+# How the writer thread copies a source byte range: "copy_file_range" (kernel-side, the default where
+# Python has it: Linux), or "readwrite" (pread into a reused buffer, then write). A filesystem pair
+# that refuses copy_file_range (EXDEV, EINVAL, EOPNOTSUPP, ENOSYS) falls back to read/write on the
+# spot. Either way the hasher thread reads the same range itself. Measured in BENCHMARKS.md.
+COPY_MODE = os.environ.get("MXFP4CONV_COPY", "copy_file_range" if hasattr(os, "copy_file_range") else "readwrite")
+_NO_CFR = {errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, errno.ENOTSUP}
 WRITEBACK_CHUNK = 16 << 20  # start the disk writeback of every 16 MiB written (see _Writeback)
 
 
@@ -409,6 +413,11 @@ def stream_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]
     return done
 
 
+def _shrank(src: FileSlice) -> InputError:
+    return InputError("file ended inside the tensor's data (truncated while being converted?)", file=str(src.file),
+                      tensor=src.name or None, hint="the source changed during the conversion; download it again")
+
+
 class _BackgroundWriter:
     """Two threads per shard: one writes queued buffers in order, one hashes them in order (both
     release the GIL, so on two cores the sha256 costs no wall time). A byte range copied from a
@@ -425,6 +434,7 @@ class _BackgroundWriter:
         self._digest = hashlib.sha256()
         self._wb = _Writeback(self._fh.fileno())
         self._wbuf: memoryview | None = None  # copy buffer of the writer thread
+        self._cfr = COPY_MODE == "copy_file_range"  # cleared when the filesystems refuse it
         self._hbuf: memoryview | None = None  # read buffer of the hasher thread
         self._wq: queue.Queue[list[Any] | None] = queue.Queue()
         self._hq: queue.Queue[list[Any] | None] = queue.Queue()
@@ -470,7 +480,7 @@ class _BackgroundWriter:
             while left and self._error is None:
                 got = os.preadv(fd, [buf[:min(left, COPY_CHUNK)]], pos)
                 if got <= 0:
-                    raise OSError(5, f"{raw.file} ended inside a tensor (truncated while being read?)")
+                    raise _shrank(raw)
                 self._digest.update(buf[:got])
                 pos += got
                 left -= got
@@ -490,20 +500,27 @@ class _BackgroundWriter:
         fd = os.open(src.file, os.O_RDONLY)
         try:
             pos, left = src.begin, src.length
-            if COPY_MODE == "copy_file_range":
-                while left:
+            while left and self._cfr:
+                try:
                     got = os.copy_file_range(fd, self._fh.fileno(), min(left, COPY_CHUNK), pos)
-                    if got <= 0:
-                        raise OSError(5, "copy_file_range made no progress")
-                    pos += got
-                    left -= got
-                    self._wb.advance(got)
-                return
-            buf = self._wbuf = self._wbuf or memoryview(bytearray(COPY_CHUNK))
+                except OSError as exc:
+                    if exc.errno not in _NO_CFR:
+                        raise
+                    self._cfr = False  # this filesystem pair cannot: read/write from here on
+                    break
+                if got <= 0:
+                    raise _shrank(src)
+                pos += got
+                left -= got
+                self._wb.advance(got)
+            if left and self._wbuf is None:
+                self._wbuf = memoryview(bytearray(COPY_CHUNK))
             while left:
+                buf = self._wbuf
+                assert buf is not None
                 got = os.preadv(fd, [buf[:min(left, COPY_CHUNK)]], pos)  # a short read is legal: loop
                 if got <= 0:
-                    raise OSError(5, f"{src.file} ended inside a tensor (truncated while being read?)")
+                    raise _shrank(src)
                 self._write(buf[:got])
                 pos += got
                 left -= got
