@@ -74,27 +74,41 @@ def emit(case: str, **kw: object) -> None:
     print(json.dumps({"case": case, **kw}), flush=True)
 
 
-def bench_lossless(work: Path, layout: str, target: str, layers: int) -> None:
+def bench_lossless(work: Path, layout: str, target: str, layers: int, rounds: int = 1) -> None:
+    """Warm page cache: ``rounds`` alternating (cp -r + sync, convert) pairs, each its own ratio (this
+    VM's disk swings single runs by +-30%); the median ratio is the figure. Then verify once."""
     src = generate(work / f"{layout}-src", layout, layers)
     gb = size(src) / 1e9
     warm(src)
     shutil.rmtree(work / "cp", ignore_errors=True)
     subprocess.run(["cp", "-r", str(src), str(work / "cp")], check=True)  # first copy: settle the page cache
     shutil.rmtree(work / "cp")
-    t_cp, _ = timed(["cp", "-r", str(src), str(work / "cp")])
-    t_sync, _ = timed(["sync"])
-    shutil.rmtree(work / "cp")
-    t_conv, rss = timed([PY, "-m", "mxfp4conv", "convert", str(src), str(work / "out"), "--to", target, "--no-verify", "--json"])
-    stages = {k: round(v, 2) for k, v in json.loads(LAST_STDOUT[0]).get("seconds", {}).items()}
+    runs = []
+    for _ in range(rounds):
+        subprocess.run(["sync"], check=True)
+        t_cp, _ = timed(["cp", "-r", str(src), str(work / "cp")])
+        t_sync, _ = timed(["sync"])
+        shutil.rmtree(work / "cp")
+        subprocess.run(["sync"], check=True)
+        t_conv, rss = timed([PY, "-m", "mxfp4conv", "convert", str(src), str(work / "out"), "--to", target, "--no-verify", "--json"])
+        stages = {k: round(v, 2) for k, v in json.loads(LAST_STDOUT[0]).get("seconds", {}).items()}
+        runs.append({"cp_s": round(t_cp + t_sync, 2), "convert_s": round(t_conv, 2),
+                     "ratio_vs_cp": round(t_conv / (t_cp + t_sync), 2),
+                     "in_process_ratio_vs_cp": round(stages.get("total", 0.0) / (t_cp + t_sync), 2),
+                     "peak_rss_mib": rss // 1024, "stages": stages})
+        if len(runs) < rounds:
+            shutil.rmtree(work / "out")
     t_ver, _ = timed([PY, "-m", "mxfp4conv", "verify", str(src), str(work / "out"), "--json"])
     shutil.rmtree(work / "out")
-    emit(f"lossless {layout} -> {target}", gb=round(gb, 2), cp_s=round(t_cp + t_sync, 2),
-         convert_s=round(t_conv, 2), ratio_vs_cp=round(t_conv / (t_cp + t_sync), 2),
-         verify_s=round(t_ver, 2), ratio_with_verify=round((t_conv + t_ver) / (t_cp + t_sync), 2),
-         peak_rss_mib=rss // 1024, in_process_s=stages.get("total"),
-         in_process_ratio_vs_cp=round(stages.get("total", 0.0) / (t_cp + t_sync), 2), stages=stages,
-         note="cp timed with a following sync (convert fsyncs every shard); in_process: convert's own clock "
-              "(without Python + torch start-up)")
+    ratios = sorted(r["ratio_vs_cp"] for r in runs)
+    last = runs[-1]
+    emit(f"lossless {layout} -> {target}", gb=round(gb, 2), rounds=rounds, ratio_vs_cp=ratios[len(ratios) // 2],
+         ratios_vs_cp=[r["ratio_vs_cp"] for r in runs], cp_s=last["cp_s"], convert_s=last["convert_s"],
+         verify_s=round(t_ver, 2), ratio_with_verify=round((last["convert_s"] + t_ver) / last["cp_s"], 2),
+         peak_rss_mib=max(r["peak_rss_mib"] for r in runs), in_process_ratios_vs_cp=[r["in_process_ratio_vs_cp"] for r in runs],
+         stages=last["stages"], copy_mode=os.environ.get("MXFP4CONV_COPY", "default"),
+         note="cp timed with a following sync (convert fsyncs every shard); ratio_vs_cp: the median of the rounds; "
+              "in_process: convert's own clock (without the Python start-up)")
     if drop_caches():
         t_cp_c, _ = timed(["cp", "-r", str(src), str(work / "cp")])
         t_sync, _ = timed(["sync"])
@@ -191,6 +205,8 @@ def main() -> None:
     ap.add_argument("--nvfp4-layers", type=int, default=2)
     ap.add_argument("--rss-layers", type=int, default=2)
     ap.add_argument("--only", default="lossless,nvfp4,rss")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating cp / convert pairs per lossless case")
+    ap.add_argument("--lossless", default="ct-mxfp4,gpt-oss", help="which lossless cases (source layouts)")
     args = ap.parse_args()
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
@@ -198,8 +214,10 @@ def main() -> None:
          date=time.strftime("%Y-%m-%d"))
     only = set(args.only.split(","))
     if "lossless" in only:
-        bench_lossless(args.work, "ct-mxfp4", "quark", args.layers)
-        bench_lossless(args.work, "gpt-oss", "gpt-oss", args.gpt_oss_layers)
+        if "ct-mxfp4" in args.lossless:
+            bench_lossless(args.work, "ct-mxfp4", "quark", args.layers, args.rounds)
+        if "gpt-oss" in args.lossless:
+            bench_lossless(args.work, "gpt-oss", "gpt-oss", args.gpt_oss_layers, args.rounds)
     if "nvfp4" in only:
         bench_nvfp4_cpu(args.work, args.nvfp4_layers)
     if "rss" in only:

@@ -157,3 +157,20 @@ def test_copy_of_a_source_truncated_meanwhile_fails(tmp_path: Path, monkeypatch:
     with pytest.raises(InputError, match="ended inside the tensor") as exc:
         sio.stream_safetensors(tmp_path / "out.safetensors", entries, iter(slices)).result(timeout=60)
     assert exc.value.file == str(src) and exc.value.tensor == cut.name
+
+
+def test_e8m0_slices_are_checked_for_0xff_while_hashed(tmp_path: Path) -> None:
+    """A copied slice marked as E8M0 scales fails the shard on a 0xFF byte (naming file and tensor);
+    the same bytes in an unmarked slice (e.g. bf16 data) are copied as they are."""
+    src = tmp_path / "src.safetensors"
+    scales = torch.full((4, 40), 127, dtype=torch.uint8)
+    scales[2, 33] = 0xFF
+    save_file({"w.weight_scale": scales}, str(src))
+    ref = sio.read_header(src)[0]["w.weight_scale"]
+    entries = [("w.weight_scale", "U8", (4, 40))]
+    ok = sio.stream_safetensors(tmp_path / "a.safetensors", entries, iter([sio.FileSlice(ref.file, ref.begin, ref.nbytes, ref.name)]))
+    assert ok.result(timeout=60) == hashlib.sha256((tmp_path / "a.safetensors").read_bytes()).hexdigest()
+    marked = sio.FileSlice(ref.file, ref.begin, ref.nbytes, ref.name, e8m0=True)
+    with pytest.raises(InputError, match="0xFF") as exc:
+        sio.stream_safetensors(tmp_path / "b.safetensors", entries, iter([marked])).result(timeout=60)
+    assert exc.value.tensor == "w.weight_scale" and exc.value.file == str(src)

@@ -129,6 +129,9 @@ class FileSlice:
     begin: int
     length: int
     name: str = ""  # the source tensor (for error messages)
+    # MXFP4 E8M0 scales: the byte 0xFF (NaN) is invalid input. Checked by the hasher thread, which
+    # reads every copied byte anyway (an InputError naming file and tensor fails the shard).
+    e8m0: bool = False
 
 
 COPY_CHUNK = 16 << 20
@@ -435,7 +438,7 @@ class _BackgroundWriter:
         self._wb = _Writeback(self._fh.fileno())
         self._wbuf: memoryview | None = None  # copy buffer of the writer thread
         self._cfr = COPY_MODE == "copy_file_range"  # cleared when the filesystems refuse it
-        self._hbuf: memoryview | None = None  # read buffer of the hasher thread
+        self._hbuf: bytearray | None = None  # read buffer of the hasher thread
         self._wq: queue.Queue[list[Any] | None] = queue.Queue()
         self._hq: queue.Queue[list[Any] | None] = queue.Queue()
         self._budget = budget
@@ -473,15 +476,21 @@ class _BackgroundWriter:
         if not isinstance(raw, FileSlice):
             self._digest.update(raw)
             return
-        buf = self._hbuf = self._hbuf or memoryview(bytearray(COPY_CHUNK))  # reused: no per-tensor allocation
+        if self._hbuf is None:
+            self._hbuf = bytearray(COPY_CHUNK)  # reused: no per-tensor allocation
+        buf = self._hbuf
+        view = memoryview(buf)
         fd = os.open(raw.file, os.O_RDONLY)
         try:
             pos, left = raw.begin, raw.length
             while left and self._error is None:
-                got = os.preadv(fd, [buf[:min(left, COPY_CHUNK)]], pos)
+                got = os.preadv(fd, [view[:min(left, COPY_CHUNK)]], pos)
                 if got <= 0:
                     raise _shrank(raw)
-                self._digest.update(buf[:got])
+                if raw.e8m0 and buf.find(b"\xff", 0, got) >= 0:
+                    raise InputError("E8M0 scale byte 0xFF (NaN) is not a valid MXFP4 scale", file=str(raw.file),
+                                     tensor=raw.name or None, hint="the checkpoint is corrupt; re-export it")
+                self._digest.update(view[:got])
                 pos += got
                 left -= got
         finally:
