@@ -174,3 +174,35 @@ def test_e8m0_slices_are_checked_for_0xff_while_hashed(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="0xFF") as exc:
         sio.stream_safetensors(tmp_path / "b.safetensors", entries, iter([marked])).result(timeout=60)
     assert exc.value.tensor == "w.weight_scale" and exc.value.file == str(src)
+
+
+@pytest.mark.parametrize(("slices", "nbytes"), [(3, 1 << 30), (256, 2000), (1, 1)])
+def test_copies_batched_between_computed_tensors_keep_file_order(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slices: int, nbytes: int) -> None:
+    """Byte-range copies are handed over in batches (by count or bytes); interleaved with computed
+    tensors, every tensor still lands at its place: the shard loads back equal, element for element."""
+    _, _, copies, _ = _copy_job(tmp_path)
+    src_refs = sio.read_header(tmp_path / "src.safetensors")[0]
+    monkeypatch.setattr(sio, "BATCH_SLICES", slices)
+    monkeypatch.setattr(sio, "BATCH_BYTES", nbytes)
+    computed = _tensors(3)
+    items: list[object] = []
+    entries = []
+    want = {}
+    for i in range(3):  # copy, copy, computed, copy, copy, computed, ... with the same 4 source tensors
+        for c in copies:
+            name = f"r{i}.{c.name}"
+            items.append(c)
+            entries.append((name, src_refs[c.name].dtype, src_refs[c.name].shape))
+            want[name] = src_refs[c.name].load()
+        name, t = f"c{i}", computed["odd"] * (i + 1)
+        items.append(t)
+        entries.append((name, sio.st_dtype(t.dtype), tuple(t.shape)))
+        want[name] = t
+    out = tmp_path / "mixed.safetensors"
+    digest = sio.stream_safetensors(out, entries, iter(items)).result(timeout=60)  # type: ignore[arg-type]
+    assert digest == hashlib.sha256(out.read_bytes()).hexdigest()
+    back = load_file(str(out))
+    assert set(back) == set(want)
+    for name, t in want.items():
+        assert torch.equal(back[name], t), name

@@ -141,6 +141,11 @@ COPY_CHUNK = 16 << 20
 # spot. Either way the hasher thread reads the same range itself. Measured in BENCHMARKS.md.
 COPY_MODE = os.environ.get("MXFP4CONV_COPY", "copy_file_range" if hasattr(os, "copy_file_range") else "readwrite")
 _NO_CFR = {errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, errno.ENOTSUP}
+# Byte-range copies are handed to the writer and hasher threads in batches of up to BATCH_SLICES
+# slices / BATCH_BYTES bytes: each hand-off costs ~40 us of thread switching, and a ct-mxfp4 rename
+# copies ~10,000 small tensors.
+BATCH_SLICES = 256
+BATCH_BYTES = 64 << 20
 WRITEBACK_CHUNK = 16 << 20  # start the disk writeback of every 16 MiB written (see _Writeback)
 
 
@@ -395,12 +400,26 @@ def stream_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]
     writer = _BackgroundWriter(path, budget or InflightBudget())
     try:
         writer.put(_header_bytes(sized, metadata))
+        batch: list[FileSlice] = []  # consecutive byte-range copies travel together (one hand-off per batch)
+        batch_bytes = 0
         for (name, dtype, shape, nbytes), item in zip(sized, _iter_checked(data, len(sized)), strict=False):
             raw = item if isinstance(item, FileSlice) else _as_bytes(item)
             size = raw.length if isinstance(raw, FileSlice) else len(raw)
             if size != nbytes:
                 raise AssertionError(f"{name}: produced {size} bytes, planned {nbytes} ({dtype}{list(shape)})")
+            if isinstance(raw, FileSlice):
+                batch.append(raw)
+                batch_bytes += raw.length
+                if len(batch) >= BATCH_SLICES or batch_bytes >= BATCH_BYTES:
+                    writer.put(tuple(batch))
+                    batch, batch_bytes = [], 0
+                continue
+            if batch:
+                writer.put(tuple(batch))
+                batch, batch_bytes = [], 0
             writer.put(raw)
+        if batch:
+            writer.put(tuple(batch))
     except BaseException:
         writer.abort()
         raise
@@ -439,6 +458,9 @@ class _BackgroundWriter:
         self._wbuf: memoryview | None = None  # copy buffer of the writer thread
         self._cfr = COPY_MODE == "copy_file_range"  # cleared when the filesystems refuse it
         self._hbuf: bytearray | None = None  # read buffer of the hasher thread
+        # source files open for the writer and for the hasher thread (one fd per thread and file, kept
+        # for the shard's lifetime: a ct-mxfp4 rename copies ~10,000 small tensors)
+        self._fds: tuple[dict[Path, int], dict[Path, int]] = ({}, {})
         self._wq: queue.Queue[list[Any] | None] = queue.Queue()
         self._hq: queue.Queue[list[Any] | None] = queue.Queue()
         self._budget = budget
@@ -450,7 +472,7 @@ class _BackgroundWriter:
         for t in self._threads:
             t.start()
 
-    def _loop(self, q: queue.Queue[list[Any] | None], fn: Callable[[bytes | memoryview | FileSlice], None]) -> None:
+    def _loop(self, q: queue.Queue[list[Any] | None], fn: Callable[[bytes | memoryview | tuple[FileSlice, ...]], None]) -> None:
         while True:
             item = q.get()
             if item is None:
@@ -463,38 +485,51 @@ class _BackgroundWriter:
             with self._budget.cond:
                 item[1] -= 1
                 if item[1] == 0:
-                    self._budget.used -= 0 if isinstance(item[0], FileSlice) else len(item[0])
+                    self._budget.used -= 0 if isinstance(item[0], tuple) else len(item[0])
                 self._budget.cond.notify_all()
 
-    def _write_item(self, raw: bytes | memoryview | FileSlice) -> None:
-        if isinstance(raw, FileSlice):
-            self._copy(raw)
+    def _write_item(self, raw: bytes | memoryview | tuple[FileSlice, ...]) -> None:
+        if isinstance(raw, tuple):
+            for src in raw:
+                self._copy(src)
         else:
             self._write(raw)
 
-    def _hash_item(self, raw: bytes | memoryview | FileSlice) -> None:
-        if not isinstance(raw, FileSlice):
-            self._digest.update(raw)
+    def _hash_item(self, raw: bytes | memoryview | tuple[FileSlice, ...]) -> None:
+        if isinstance(raw, tuple):
+            for src in raw:
+                self._hash_slice(src)
             return
+        self._digest.update(raw)
+
+    def _hash_slice(self, raw: FileSlice) -> None:
         if self._hbuf is None:
             self._hbuf = bytearray(COPY_CHUNK)  # reused: no per-tensor allocation
         buf = self._hbuf
         view = memoryview(buf)
-        fd = os.open(raw.file, os.O_RDONLY)
-        try:
-            pos, left = raw.begin, raw.length
-            while left and self._error is None:
-                got = os.preadv(fd, [view[:min(left, COPY_CHUNK)]], pos)
-                if got <= 0:
-                    raise _shrank(raw)
-                if raw.e8m0 and buf.find(b"\xff", 0, got) >= 0:
-                    raise InputError("E8M0 scale byte 0xFF (NaN) is not a valid MXFP4 scale", file=str(raw.file),
-                                     tensor=raw.name or None, hint="the checkpoint is corrupt; re-export it")
-                self._digest.update(view[:got])
-                pos += got
-                left -= got
-        finally:
-            os.close(fd)
+        fd = self._source(raw, 1)
+        pos, left = raw.begin, raw.length
+        while left and self._error is None:
+            got = os.preadv(fd, [view[:min(left, COPY_CHUNK)]], pos)
+            if got <= 0:
+                raise _shrank(raw)
+            if raw.e8m0 and buf.find(b"\xff", 0, got) >= 0:
+                raise InputError("E8M0 scale byte 0xFF (NaN) is not a valid MXFP4 scale", file=str(raw.file),
+                                 tensor=raw.name or None, hint="the checkpoint is corrupt; re-export it")
+            self._digest.update(view[:got])
+            pos += got
+            left -= got
+
+    def _source(self, src: FileSlice, thread: int) -> int:
+        """The open source file of ``src`` for the writer (0) or the hasher (1) thread."""
+        fds = self._fds[thread]
+        if src.file not in fds:
+            try:
+                fds[src.file] = os.open(src.file, os.O_RDONLY)
+            except OSError as exc:
+                raise InputError(f"cannot read the source: {exc.strerror}", file=str(src.file), tensor=src.name or None,
+                                 hint="the source changed during the conversion; restore it and rerun") from exc
+        return fds[src.file]
 
     def _write(self, raw: bytes | memoryview) -> None:
         view = memoryview(raw)
@@ -506,35 +541,32 @@ class _BackgroundWriter:
             self._wb.advance(n)
 
     def _copy(self, src: FileSlice) -> None:
-        fd = os.open(src.file, os.O_RDONLY)
-        try:
-            pos, left = src.begin, src.length
-            while left and self._cfr:
-                try:
-                    got = os.copy_file_range(fd, self._fh.fileno(), min(left, COPY_CHUNK), pos)
-                except OSError as exc:
-                    if exc.errno not in _NO_CFR:
-                        raise
-                    self._cfr = False  # this filesystem pair cannot: read/write from here on
-                    break
-                if got <= 0:
-                    raise _shrank(src)
-                pos += got
-                left -= got
-                self._wb.advance(got)
-            if left and self._wbuf is None:
-                self._wbuf = memoryview(bytearray(COPY_CHUNK))
-            while left:
-                buf = self._wbuf
-                assert buf is not None
-                got = os.preadv(fd, [buf[:min(left, COPY_CHUNK)]], pos)  # a short read is legal: loop
-                if got <= 0:
-                    raise _shrank(src)
-                self._write(buf[:got])
-                pos += got
-                left -= got
-        finally:
-            os.close(fd)
+        fd = self._source(src, 0)
+        pos, left = src.begin, src.length
+        while left and self._cfr:
+            try:
+                got = os.copy_file_range(fd, self._fh.fileno(), min(left, COPY_CHUNK), pos)
+            except OSError as exc:
+                if exc.errno not in _NO_CFR:
+                    raise
+                self._cfr = False  # this filesystem pair cannot: read/write from here on
+                break
+            if got <= 0:
+                raise _shrank(src)
+            pos += got
+            left -= got
+            self._wb.advance(got)
+        if left and self._wbuf is None:
+            self._wbuf = memoryview(bytearray(COPY_CHUNK))
+        while left:
+            buf = self._wbuf
+            assert buf is not None
+            got = os.preadv(fd, [buf[:min(left, COPY_CHUNK)]], pos)  # a short read is legal: loop
+            if got <= 0:
+                raise _shrank(src)
+            self._write(buf[:got])
+            pos += got
+            left -= got
 
     def _raise(self) -> None:
         if isinstance(self._error, OSError):
@@ -543,9 +575,9 @@ class _BackgroundWriter:
         if self._error is not None:
             raise self._error
 
-    def put(self, raw: bytes | memoryview | FileSlice) -> None:
+    def put(self, raw: bytes | memoryview | tuple[FileSlice, ...]) -> None:
         self._raise()
-        size = 0 if isinstance(raw, FileSlice) else len(raw)  # slices hold no memory
+        size = 0 if isinstance(raw, tuple) else len(raw)  # slices hold no memory
         b = self._budget
         with b.cond:
             while b.used and b.used + size > b.limit and self._error is None:
@@ -560,6 +592,10 @@ class _BackgroundWriter:
         self._hq.put(None)
         for t in self._threads:
             t.join()
+        for fds in self._fds:
+            for fd in fds.values():
+                os.close(fd)
+            fds.clear()
 
     def close(self) -> str:
         self._join()
