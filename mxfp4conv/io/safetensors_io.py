@@ -435,6 +435,20 @@ def stream_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]
     return done
 
 
+def copy_runs(slices: tuple[FileSlice, ...]) -> list[FileSlice]:
+    """Consecutive slices that are also adjacent in the same source file, merged into one copy (a
+    ct-mxfp4 rename keeps an expert's packed weight and its scales together: ~3x fewer, larger
+    copies). A merged run is named after its first tensor."""
+    runs: list[FileSlice] = []
+    for s in slices:
+        last = runs[-1] if runs else None
+        if last is not None and last.file == s.file and last.begin + last.length == s.begin:
+            runs[-1] = FileSlice(last.file, last.begin, last.length + s.length, last.name)
+        else:
+            runs.append(s)
+    return runs
+
+
 def _shrank(src: FileSlice) -> InputError:
     return InputError("file ended inside the tensor's data (truncated while being converted?)", file=str(src.file),
                       tensor=src.name or None, hint="the source changed during the conversion; download it again")
@@ -490,7 +504,7 @@ class _BackgroundWriter:
 
     def _write_item(self, raw: bytes | memoryview | tuple[FileSlice, ...]) -> None:
         if isinstance(raw, tuple):
-            for src in raw:
+            for src in copy_runs(raw):
                 self._copy(src)
         else:
             self._write(raw)
