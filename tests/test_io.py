@@ -210,7 +210,9 @@ def test_copies_batched_between_computed_tensors_keep_file_order(
 
 def test_copy_runs_merge_only_adjacent_ranges_of_one_file() -> None:
     a, b = Path("/a"), Path("/b")
-    runs = sio.copy_runs((sio.FileSlice(a, 0, 10, "x"), sio.FileSlice(a, 10, 5, "y"), sio.FileSlice(a, 16, 4, "z"),
-                          sio.FileSlice(b, 20, 4, "u"), sio.FileSlice(a, 20, 3, "v"), sio.FileSlice(a, 0, 2, "w")))
-    assert [(r.file, r.begin, r.length, r.name) for r in runs] == [
-        (a, 0, 15, "x"), (a, 16, 4, "z"), (b, 20, 4, "u"), (a, 20, 3, "v"), (a, 0, 2, "w")]
+    sl = (sio.FileSlice(a, 0, 10, "x"), sio.FileSlice(a, 10, 0, "e"), sio.FileSlice(a, 10, 5, "y"),
+          sio.FileSlice(a, 16, 4, "z"), sio.FileSlice(b, 20, 4, "u"), sio.FileSlice(a, 20, 3, "v"),
+          sio.FileSlice(a, 0, 2, "w"))
+    runs = sio.copy_runs(sl)
+    assert [(r.file, r.begin, r.length, [p.name for p in parts]) for r, parts in runs] == [
+        (a, 0, 15, ["x", "y"]), (a, 16, 4, ["z"]), (b, 20, 4, ["u"]), (a, 20, 3, ["v"]), (a, 0, 2, ["w"])]

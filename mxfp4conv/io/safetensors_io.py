@@ -435,21 +435,25 @@ def stream_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]
     return done
 
 
-def copy_runs(slices: tuple[FileSlice, ...]) -> list[FileSlice]:
-    """Consecutive slices that are also adjacent in the same source file, merged into one copy (a
-    ct-mxfp4 rename keeps an expert's packed weight and its scales together: ~3x fewer, larger
-    copies). A merged run is named after its first tensor."""
-    runs: list[FileSlice] = []
+def copy_runs(slices: tuple[FileSlice, ...]) -> list[tuple[FileSlice, tuple[FileSlice, ...]]]:
+    """Consecutive non-empty slices that are also adjacent in the same source file, merged into one
+    copy (a ct-mxfp4 rename keeps an expert's packed weight and its scales together: ~3x fewer, larger
+    copies): (run, the slices it is made of)."""
+    runs: list[tuple[FileSlice, tuple[FileSlice, ...]]] = []
     for s in slices:
-        last = runs[-1] if runs else None
-        if last is not None and last.file == s.file and last.begin + last.length == s.begin:
-            runs[-1] = FileSlice(last.file, last.begin, last.length + s.length, last.name)
+        if not s.length:
+            continue
+        if runs and runs[-1][0].file == s.file and runs[-1][0].begin + runs[-1][0].length == s.begin:
+            last, parts = runs[-1]
+            runs[-1] = (FileSlice(last.file, last.begin, last.length + s.length, last.name), (*parts, s))
         else:
-            runs.append(s)
+            runs.append((s, (s,)))
     return runs
 
 
-def _shrank(src: FileSlice) -> InputError:
+def _shrank(src: FileSlice, pos: int | None = None, parts: tuple[FileSlice, ...] = ()) -> InputError:
+    """The error for a source that ended before ``src`` (at file offset ``pos``, inside one of ``parts``)."""
+    src = next((p for p in parts if pos is not None and p.begin <= pos < p.begin + p.length), src)
     return InputError("file ended inside the tensor's data (truncated while being converted?)", file=str(src.file),
                       tensor=src.name or None, hint="the source changed during the conversion; download it again")
 
@@ -504,8 +508,8 @@ class _BackgroundWriter:
 
     def _write_item(self, raw: bytes | memoryview | tuple[FileSlice, ...]) -> None:
         if isinstance(raw, tuple):
-            for src in copy_runs(raw):
-                self._copy(src)
+            for run, parts in copy_runs(raw):
+                self._copy(run, parts)
         else:
             self._write(raw)
 
@@ -554,7 +558,7 @@ class _BackgroundWriter:
             view = view[n:]
             self._wb.advance(n)
 
-    def _copy(self, src: FileSlice) -> None:
+    def _copy(self, src: FileSlice, parts: tuple[FileSlice, ...] = ()) -> None:
         fd = self._source(src, 0)
         pos, left = src.begin, src.length
         while left and self._cfr:
@@ -566,7 +570,7 @@ class _BackgroundWriter:
                 self._cfr = False  # this filesystem pair cannot: read/write from here on
                 break
             if got <= 0:
-                raise _shrank(src)
+                raise _shrank(src, pos, parts)
             pos += got
             left -= got
             self._wb.advance(got)
@@ -577,7 +581,7 @@ class _BackgroundWriter:
             assert buf is not None
             got = os.preadv(fd, [buf[:min(left, COPY_CHUNK)]], pos)  # a short read is legal: loop
             if got <= 0:
-                raise _shrank(src)
+                raise _shrank(src, pos, parts)
             self._write(buf[:got])
             pos += got
             left -= got
