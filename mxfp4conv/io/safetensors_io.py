@@ -394,8 +394,10 @@ def stream_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]
                        metadata: dict[str, str] | None = None,
                        budget: InflightBudget | None = None) -> Future[str]:
     """``write_safetensors`` that returns as soon as every item is queued: the future resolves to
-    the sha256 once the shard's writer and hasher threads are done and the file is fsynced (or to
-    the ``OutputError`` they met). The caller must wait for it before using or removing the file."""
+    the sha256 once the shard's writer and hasher threads are done and the file is fsynced, or to
+    the error they met (``OutputError`` for the destination; ``InputError`` for a source that changed
+    while copied or a copied E8M0 scale byte 0xFF). The caller must wait for it before using or
+    removing the file."""
     sized = [(n, d, s, math.prod(s) * ITEMSIZE[d]) for n, d, s in entries]
     writer = _BackgroundWriter(path, budget or InflightBudget())
     try:
@@ -460,9 +462,10 @@ def _shrank(src: FileSlice, pos: int | None = None, parts: tuple[FileSlice, ...]
 
 class _BackgroundWriter:
     """Two threads per shard: one writes queued buffers in order, one hashes them in order (both
-    release the GIL, so on two cores the sha256 costs no wall time). A byte range copied from a
-    source file is hashed from the source bytes (they are the output bytes). Errors surface on
-    put/close; a buffer's memory is released once both threads are done with it."""
+    release the GIL, so on two cores the sha256 costs no wall time). Byte ranges copied from source
+    files arrive in batches; the hasher reads them from the source (they are the output bytes) and
+    checks those marked E8M0 for 0xFF. Errors surface on put/close; a buffer's memory is released
+    once both threads are done with it."""
 
     def __init__(self, path: Path, budget: InflightBudget) -> None:
         try:
