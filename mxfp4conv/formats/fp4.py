@@ -168,7 +168,8 @@ def _e4m3_table() -> list[float]:
 _E4M3_VALUES: list[float] = _e4m3_table()
 
 
-def _as_bits(t: torch.Tensor) -> torch.Tensor:
+def e4m3_bits(t: torch.Tensor) -> torch.Tensor:
+    """The uint8 bit patterns of E4M3 scales (float8_e4m3fn viewed as bytes, or uint8 as is; no copy)."""
     if t.dtype == torch.float8_e4m3fn:
         return t.view(torch.uint8)
     if t.dtype == torch.uint8:
@@ -176,21 +177,16 @@ def _as_bits(t: torch.Tensor) -> torch.Tensor:
     raise TypeError(f"expected float8_e4m3fn or uint8 bit patterns, got {t.dtype}")
 
 
-def e4m3_bits(t: torch.Tensor) -> torch.Tensor:
-    """The uint8 bit patterns of E4M3 scales (float8_e4m3fn viewed as bytes, or uint8 as is; no copy)."""
-    return _as_bits(t)
-
-
 def e4m3_decode(t: torch.Tensor) -> torch.Tensor:
     """E4M3 scales (float8_e4m3fn, or uint8 holding the bit patterns; any shape) -> float32 (exact).
 
     The NaN patterns 0x7F / 0xFF decode to NaN (see ``e4m3_nan_mask``).
     """
-    bits = _as_bits(t)
+    bits = e4m3_bits(t)
     lut = _lut(_E4M3_VALUES, torch.float32, bits.device)
     return lut[bits.to(torch.int32)]
 
 
 def e4m3_nan_mask(t: torch.Tensor) -> torch.Tensor:
     """Bool mask (same shape) of the E4M3 NaN bit patterns S.1111.111 (0x7F, 0xFF)."""
-    return (_as_bits(t) & 0x7F) == 0x7F
+    return (e4m3_bits(t) & 0x7F) == 0x7F
