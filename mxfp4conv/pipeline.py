@@ -267,9 +267,13 @@ def _unit_results(shard: _ShardPlan, ckpt: Checkpoint, layout: Any, target: Targ
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4conv-read") as reader:
             ahead: dict[int, Future[tuple[Any, float]]] = {}
             nxt = 0
+            queued = 0  # bytes of the units submitted beyond the current one: sizes[i + 1:nxt]
             for i, spec in enumerate(units):
-                while nxt < len(units) and (nxt <= i + 1 or sum(sizes[i + 1:nxt + 1]) <= limit):
+                if nxt > i:
+                    queued -= sizes[i]
+                while nxt < len(units) and (nxt <= i + 1 or queued + sizes[nxt] <= limit):
                     ahead[nxt] = reader.submit(_read, units[nxt], ckpt, layout, target, ctx, devs[0])
+                    queued += sizes[nxt] if nxt > i else 0
                     nxt += 1
                 source = ahead.pop(i).result()
                 yield _transform(spec, ckpt, layout, target, ctx, opts, devs[0], source)

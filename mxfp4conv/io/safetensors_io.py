@@ -45,7 +45,6 @@ __all__ = [  # and DTYPES, built lazily by the module __getattr__
     "read_many",
     "stream_safetensors",
     "tensor_view",
-    "write_safetensors",
 ]
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
@@ -221,7 +220,6 @@ class TensorRef:
 
     def read_into(self, out: torch.Tensor) -> None:
         """Read the tensor's bytes into ``out`` (a contiguous CPU tensor of exactly ``nbytes``)."""
-
         if not out.is_contiguous() or out.numel() * out.element_size() != self.nbytes:
             raise ValueError(f"{self.name}: destination of {out.numel() * out.element_size()} bytes, need {self.nbytes}")
         if self.nbytes:
@@ -234,7 +232,7 @@ class TensorRef:
         dtype = torch_dtype(self.dtype)
         raw = torch.empty(self.nbytes, dtype=torch.uint8)
         if self.nbytes:
-            self._read_into(memoryview(raw.numpy()).cast("B"))  # type: ignore[arg-type]
+            self._read_into(tensor_view(raw))
         return raw.view(dtype).reshape(self.shape)
 
 
@@ -364,20 +362,6 @@ def _header_bytes(entries: list[tuple[str, str, tuple[int, ...], int]],
     return len(raw).to_bytes(8, "little") + raw
 
 
-def write_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]]],
-                      data: Iterable[bytes | torch.Tensor | FileSlice],
-                      metadata: dict[str, str] | None = None,
-                      max_inflight: int = 1 << 30) -> str:
-    """Stream tensors into a new safetensors file; returns its sha256.
-
-    ``entries`` declares (name, dtype, shape) in file order, so the header is written first and
-    ``data`` (one item per entry, in the same order) can be produced lazily. Writing and hashing
-    run on background threads (both release the GIL), overlapping with the producer's reading
-    and transforming; at most ``max_inflight`` bytes (or one item, if larger) are queued.
-    """
-    return stream_safetensors(path, entries, data, metadata, InflightBudget(max_inflight)).result()
-
-
 class InflightBudget:
     """Bytes queued for writing and hashing, shared by the shards being written at once (a shard
     still finishing its hash while the next one is produced): the producer waits while the total
@@ -393,7 +377,12 @@ def stream_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]
                        data: Iterable[bytes | torch.Tensor | FileSlice],
                        metadata: dict[str, str] | None = None,
                        budget: InflightBudget | None = None) -> Future[str]:
-    """``write_safetensors`` that returns as soon as every item is queued: the future resolves to
+    """Stream tensors into a new safetensors file; returns as soon as every item is queued.
+
+    ``entries`` declares (name, dtype, shape) in file order, so the header is written first and
+    ``data`` (one item per entry, in the same order) can be produced lazily. Writing and hashing run
+    on background threads (both release the GIL), overlapping with the producer's reading and
+    transforming; queued bytes count against ``budget`` (1 GiB by default). The future resolves to
     the sha256 once the shard's writer and hasher threads are done and the file is fsynced, or to
     the error they met (``OutputError`` for the destination; ``InputError`` for a source that changed
     while copied or a copied E8M0 scale byte 0xFF). The caller must wait for it before using or
