@@ -22,7 +22,7 @@ from gen_checkpoint import generate
 import mxfp4conv.io.safetensors_io as sio
 from mxfp4conv.pipeline import ConvertOptions, convert
 
-_HASH = sio._BackgroundWriter._hash_item
+_HASH = sio._BackgroundWriter._hash_chunk
 
 
 def one(src: Path, work: Path, hashed: bool) -> dict[str, float]:
@@ -38,11 +38,11 @@ def one(src: Path, work: Path, hashed: bool) -> dict[str, float]:
     cp = time.perf_counter() - t
     shutil.rmtree(work / "cp")
     subprocess.run(["sync"], check=True)
-    sio._BackgroundWriter._hash_item = _HASH if hashed else (lambda self, raw: None)  # type: ignore[method-assign]
+    sio._BackgroundWriter._hash_chunk = _HASH if hashed else (lambda self, chunk: None)  # type: ignore[method-assign]
     t = time.perf_counter()
     convert(src, work / "out", ConvertOptions(target="quark", verify=False))
     conv = time.perf_counter() - t
-    sio._BackgroundWriter._hash_item = _HASH  # type: ignore[method-assign]
+    sio._BackgroundWriter._hash_chunk = _HASH  # type: ignore[method-assign]
     shutil.rmtree(work / "out")
     return {"cp_sync_s": round(cp, 2), "convert_in_process_s": round(conv, 2), "ratio": round(conv / cp, 2)}
 

@@ -246,7 +246,7 @@ def direct_slices(spec: UnitSpec, ckpt: Checkpoint, target: Target, ctx: WriterC
                                      for r, o in zip(refs, outs, strict=True)):
         return None
     # E8M0 0xFF (NaN) is invalid input even when only copied: the writer's hasher, which reads every
-    # copied byte anyway, checks these slices (no separate pass over the scales)
+    # written byte back anyway, checks these slices (no separate pass over the scales)
     return [FileSlice(r.file, r.begin, r.nbytes, r.name,
                       e8m0=spec.kind != "passthrough" and r.dtype == "U8" and r.name.endswith(("weight_scale", "_scales")))
             for r in refs]
@@ -566,7 +566,7 @@ def _write_all(ckpt: Checkpoint, layout: Any, target: Target, plan: Plan,
                                          _encode_shard(shard, ckpt, layout, target, rctx, opts, report, on_progress, done, total),
                                          meta, fin.budget)
                 report.seconds["write"] = report.seconds.get("write", 0.0) + time.perf_counter() - t0
-                fin.settle()  # the previous shard, whose hash and fsync overlapped this one's production
+                fin.settle(PENDING_SHARDS - 1)  # earlier shards, whose hash and fsync overlapped this one's production
                 fin.pending.append((rel, fut, {k: report.requant_stats[k] for k in set(report.requant_stats) - before}))
             fin.settle()
             if opts.partition is not None:
@@ -588,10 +588,16 @@ def _write_all(ckpt: Checkpoint, layout: Any, target: Target, plan: Plan,
     return dict(sorted(outputs.items()))
 
 
+# Shards still finishing their hash and fsync while the next one is produced. Their hashers read the
+# written bytes back from the page cache and hold no queued memory, so they hash in parallel (one core
+# each) while the producer runs at the disk's pace; two keep up with an H200 host (BENCHMARKS.md).
+PENDING_SHARDS = 2
+
+
 class _ShardFinisher:
-    """Shards whose last hashing and fsync run on a helper thread while the next shard is produced:
-    one pending at most, their queued bytes under one budget. A shard is recorded as finished (in
-    the progress file that --resume reads) only once its digest is known."""
+    """Shards whose last hashing and fsync run on helper threads while the next shard is produced:
+    up to PENDING_SHARDS pending, their queued bytes under one budget. A shard is recorded as finished
+    (in the progress file that --resume reads) only once its digest is known."""
 
     def __init__(self, progress_path: Path, fingerprint: dict[str, Any], report: ConvertReport,
                  outputs: dict[str, str]) -> None:
@@ -603,9 +609,10 @@ class _ShardFinisher:
         self.budget = InflightBudget()
         self.pending: list[tuple[str, Future[str], dict[str, Any]]] = []
 
-    def settle(self) -> None:
-        while self.pending:
-            rel, fut, stats = self.pending.pop()
+    def settle(self, keep: int = 0) -> None:
+        """Wait for the oldest pending shards until at most ``keep`` remain."""
+        while len(self.pending) > keep:
+            rel, fut, stats = self.pending.pop(0)
             t0 = time.perf_counter()
             digest = fut.result()
             self.report.seconds["write"] = self.report.seconds.get("write", 0.0) + time.perf_counter() - t0

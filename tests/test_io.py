@@ -216,3 +216,60 @@ def test_copy_runs_merge_only_adjacent_ranges_of_one_file() -> None:
     runs = sio.copy_runs(sl)
     assert [(r.file, r.begin, r.length, [p.name for p in parts]) for r, parts in runs] == [
         (a, 0, 15, ["x", "y"]), (a, 16, 4, ["z"]), (b, 20, 4, ["u"]), (a, 20, 3, ["v"]), (a, 0, 2, ["w"])]
+
+
+def test_a_lagging_hasher_never_holds_back_the_producer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hasher reads the written bytes back from the file, so with its sha256 stalled and a tiny
+    budget every item is still queued and written; the digest, once released, is the file's."""
+    release = threading.Event()
+    real = sio._BackgroundWriter._hash_chunk
+
+    def stalled(self: sio._BackgroundWriter, chunk: memoryview) -> None:
+        release.wait(60)
+        real(self, chunk)
+
+    monkeypatch.setattr(sio._BackgroundWriter, "_hash_chunk", stalled)
+    monkeypatch.setattr(sio, "COPY_CHUNK", 4096)  # the hasher reads the 1 MB shard in many chunks
+    t = _tensors(5)
+    entries = [(n, sio.st_dtype(v.dtype), tuple(v.shape)) for n, v in t.items()]
+    path = tmp_path / "x.safetensors"
+    got: list[object] = []
+    th = threading.Thread(target=lambda: got.append(
+        sio.stream_safetensors(path, entries, iter(t.values()), None, sio.InflightBudget(1))))
+    th.start()
+    th.join(30)
+    try:
+        assert not th.is_alive(), "the producer waited for the stalled hasher"
+        size = path.stat().st_size
+        assert size > 1_000_000  # the writer got everything out while the hasher was stalled
+    finally:
+        release.set()
+        th.join(60)
+    assert got[0].result(timeout=60) == hashlib.sha256(path.read_bytes()).hexdigest()  # type: ignore[attr-defined]
+
+
+def test_e8m0_check_across_chunks_names_the_first_bad_range() -> None:
+    """``_check_e8m0`` over a file read in chunks of every size: it fails exactly when a marked range
+    holds 0xFF, naming the range of the first such byte in file order; unmarked 0xFF never fails."""
+    rng = torch.Generator().manual_seed(7)
+    for trial in range(400):
+        n = int(torch.randint(1, 300, (1,), generator=rng))
+        data = bytearray(torch.randint(0, 255, (n,), generator=rng, dtype=torch.uint8).numpy().tobytes())  # no 0xFF
+        for _ in range(int(torch.randint(0, 4, (1,), generator=rng))):
+            data[int(torch.randint(0, n, (1,), generator=rng))] = 0xFF
+        cuts = sorted({int(x) for x in torch.randint(0, n + 1, (6,), generator=rng)} | {0, n})
+        marks = [(a, sio.FileSlice(Path("/src"), 1000 + a, b - a, f"t{a}", e8m0=True))
+                 for a, b in zip(cuts[::2], cuts[1::2], strict=False) if b > a]
+        bad = [(data.index(0xFF, a, a + s.length), s.name) for a, s in marks if 0xFF in data[a:a + s.length]]
+        chunk = int(torch.randint(1, 64, (1,), generator=rng))
+        pending = list(marks)
+        try:
+            for pos in range(0, n, chunk):
+                got = min(chunk, n - pos)
+                pending = sio._check_e8m0(bytearray(data[pos:pos + got]), pos, got, pending)
+        except InputError as exc:
+            assert bad, trial
+            assert exc.tensor == min(bad)[1] and exc.file == "/src", trial
+        else:
+            assert not bad, trial
+            assert pending == [], trial

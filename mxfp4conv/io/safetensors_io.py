@@ -21,7 +21,7 @@ import queue
 import stat
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import lru_cache
@@ -129,7 +129,7 @@ class FileSlice:
     length: int
     name: str = ""  # the source tensor (for error messages)
     # MXFP4 E8M0 scales: the byte 0xFF (NaN) is invalid input. Checked by the hasher thread, which
-    # reads every copied byte anyway (an InputError naming file and tensor fails the shard).
+    # reads every written byte back anyway (an InputError naming file and tensor fails the shard).
     e8m0: bool = False
 
 
@@ -137,10 +137,10 @@ COPY_CHUNK = 16 << 20
 # How the writer thread copies a source byte range: "copy_file_range" (kernel-side, the default where
 # Python has it: Linux), or "readwrite" (pread into a reused buffer, then write). A filesystem pair
 # that refuses copy_file_range (EXDEV, EINVAL, EOPNOTSUPP, ENOSYS) falls back to read/write on the
-# spot. Either way the hasher thread reads the same range itself. Measured in BENCHMARKS.md.
+# spot. Either way the hasher thread reads the copied bytes back from the new shard. Measured in BENCHMARKS.md.
 COPY_MODE = os.environ.get("MXFP4CONV_COPY", "copy_file_range" if hasattr(os, "copy_file_range") else "readwrite")
 _NO_CFR = {errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, errno.ENOTSUP}
-# Byte-range copies are handed to the writer and hasher threads in batches of up to BATCH_SLICES
+# Byte-range copies are handed to the writer thread in batches of up to BATCH_SLICES
 # slices / BATCH_BYTES bytes: each hand-off costs ~40 us of thread switching, and a ct-mxfp4 rename
 # copies ~10,000 small tensors.
 BATCH_SLICES = 256
@@ -363,8 +363,8 @@ def _header_bytes(entries: list[tuple[str, str, tuple[int, ...], int]],
 
 
 class InflightBudget:
-    """Bytes queued for writing and hashing, shared by the shards being written at once (a shard
-    still finishing its hash while the next one is produced): the producer waits while the total
+    """Bytes queued for writing, shared by the shards being written at once (shards still finishing
+    their hash while the next one is produced): the producer waits while the total
     would exceed ``limit`` (one item larger than the limit is let through when nothing is queued)."""
 
     def __init__(self, limit: int = 1 << 30) -> None:
@@ -382,7 +382,8 @@ def stream_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]
     ``entries`` declares (name, dtype, shape) in file order, so the header is written first and
     ``data`` (one item per entry, in the same order) can be produced lazily. Writing and hashing run
     on background threads (both release the GIL), overlapping with the producer's reading and
-    transforming; queued bytes count against ``budget`` (1 GiB by default). The future resolves to
+    transforming; bytes queued for writing count against ``budget`` (1 GiB by default; the hasher
+    reads the written bytes back from the file and holds none). The future resolves to
     the sha256 once the shard's writer and hasher threads are done and the file is fsynced, or to
     the error they met (``OutputError`` for the destination; ``InputError`` for a source that changed
     while copied or a copied E8M0 scale byte 0xFF). The caller must wait for it before using or
@@ -442,24 +443,29 @@ def copy_runs(slices: tuple[FileSlice, ...]) -> list[tuple[FileSlice, tuple[File
     return runs
 
 
-def _shrank(src: FileSlice, pos: int | None = None, parts: tuple[FileSlice, ...] = ()) -> InputError:
+def _shrank(src: FileSlice, pos: int, parts: tuple[FileSlice, ...] = ()) -> InputError:
     """The error for a source that ended before ``src`` (at file offset ``pos``, inside one of ``parts``)."""
-    src = next((p for p in parts if pos is not None and p.begin <= pos < p.begin + p.length), src)
+    src = next((p for p in parts if p.begin <= pos < p.begin + p.length), src)
     return InputError("file ended inside the tensor's data (truncated while being converted?)", file=str(src.file),
                       tensor=src.name or None, hint="the source changed during the conversion; download it again")
 
 
 class _BackgroundWriter:
-    """Two threads per shard: one writes queued buffers in order, one hashes them in order (both
-    release the GIL, so on two cores the sha256 costs no wall time). Byte ranges copied from source
-    files arrive in batches; the hasher reads them from the source (they are the output bytes) and
-    checks those marked E8M0 for 0xFF. Errors surface on put/close; a buffer's memory is released
-    once both threads are done with it."""
+    """Two threads per shard. The writer writes queued buffers and copies queued byte ranges, in
+    order; the hasher follows it through the file itself (its own descriptor, reading back from the
+    page cache what the writer has finished) and hashes the bytes in order, checking the byte ranges
+    of copied E8M0 scales for 0xFF on the way. A queued buffer's memory is released as soon as it is
+    written, so the producer waits for the disk only, never for the sha256 (one core's ~1.4 GB/s on an
+    H200 host, slower than that host's pipeline: BENCHMARKS.md), and the hashers of shards still
+    finishing run in parallel with the next shard's production. Errors surface on put/close."""
 
     def __init__(self, path: Path, budget: InflightBudget) -> None:
         try:
             self._fh = open(path, "xb", buffering=0)  # noqa: SIM115 - closed by close()/abort()
+            self._rfd = os.open(path, os.O_RDONLY)  # the hasher's
         except OSError as exc:
+            with contextlib.suppress(AttributeError, OSError):
+                self._fh.close()
             raise OutputError(f"cannot create shard: {exc.strerror}", file=str(path),
                               hint="check the destination folder's permissions and free space") from exc
         self._path = path
@@ -467,79 +473,94 @@ class _BackgroundWriter:
         self._wb = _Writeback(self._fh.fileno())
         self._wbuf: memoryview | None = None  # copy buffer of the writer thread
         self._cfr = COPY_MODE == "copy_file_range"  # cleared when the filesystems refuse it
-        self._hbuf: bytearray | None = None  # read buffer of the hasher thread
-        # source files open for the writer and for the hasher thread (one fd per thread and file, kept
-        # for the shard's lifetime: a ct-mxfp4 rename copies ~10,000 small tensors)
-        self._fds: tuple[dict[Path, int], dict[Path, int]] = ({}, {})
-        self._wq: queue.Queue[list[Any] | None] = queue.Queue()
-        self._hq: queue.Queue[list[Any] | None] = queue.Queue()
+        self._fds: dict[Path, int] = {}  # source files open for the writer, kept for the shard's lifetime
+        self._wq: queue.Queue[bytes | memoryview | tuple[FileSlice, ...] | None] = queue.Queue()
         self._budget = budget
         self._error: BaseException | None = None
-        self._threads = [threading.Thread(target=self._loop, args=(self._wq, self._write_item), name="mxfp4conv-writer",
-                                          daemon=True),
-                         threading.Thread(target=self._loop, args=(self._hq, self._hash_item), name="mxfp4conv-hasher",
-                                          daemon=True)]
+        # what the writer publishes to the hasher (under _cond): bytes finished, the output ranges of
+        # copied E8M0 scales (begin, slice) not yet handed over, and whether it has stopped
+        self._cond = threading.Condition()
+        self._written = 0
+        self._marks: list[tuple[int, FileSlice]] = []
+        self._stopped = False
+        self._threads = [threading.Thread(target=self._write_loop, name="mxfp4conv-writer", daemon=True),
+                         threading.Thread(target=self._hash_loop, name="mxfp4conv-hasher", daemon=True)]
         for t in self._threads:
             t.start()
 
-    def _loop(self, q: queue.Queue[list[Any] | None], fn: Callable[[bytes | memoryview | tuple[FileSlice, ...]], None]) -> None:
-        while True:
-            item = q.get()
-            if item is None:
-                return
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self._error = self._error or exc
+            self._cond.notify_all()
+
+    def _write_loop(self) -> None:
+        while (raw := self._wq.get()) is not None:
             try:
                 if self._error is None:
-                    fn(item[0])
+                    self._write_item(raw)
             except BaseException as exc:  # reported to the producer
-                self._error = exc
+                self._fail(exc)
             with self._budget.cond:
-                item[1] -= 1
-                if item[1] == 0:
-                    self._budget.used -= 0 if isinstance(item[0], tuple) else len(item[0])
+                self._budget.used -= 0 if isinstance(raw, tuple) else len(raw)
                 self._budget.cond.notify_all()
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
 
     def _write_item(self, raw: bytes | memoryview | tuple[FileSlice, ...]) -> None:
+        pos = self._written
+        marks: list[tuple[int, FileSlice]] = []
         if isinstance(raw, tuple):
             for run, parts in copy_runs(raw):
+                marks += [(pos + p.begin - run.begin, p) for p in parts if p.e8m0]
                 self._copy(run, parts)
+                pos += run.length
         else:
             self._write(raw)
+            pos += len(raw)
+        with self._cond:
+            self._written = pos
+            self._marks += marks
+            self._cond.notify_all()
 
-    def _hash_item(self, raw: bytes | memoryview | tuple[FileSlice, ...]) -> None:
-        if isinstance(raw, tuple):
-            for src in raw:
-                self._hash_slice(src)
-            return
-        self._digest.update(raw)
-
-    def _hash_slice(self, raw: FileSlice) -> None:
-        if self._hbuf is None:
-            self._hbuf = bytearray(COPY_CHUNK)  # reused: no per-tensor allocation
-        buf = self._hbuf
+    def _hash_loop(self) -> None:
+        buf = bytearray(COPY_CHUNK)  # reused: no per-chunk allocation
         view = memoryview(buf)
-        fd = self._source(raw, 1)
-        pos, left = raw.begin, raw.length
-        while left and self._error is None:
-            got = os.preadv(fd, [view[:min(left, COPY_CHUNK)]], pos)
-            if got <= 0:
-                raise _shrank(raw)
-            if raw.e8m0 and buf.find(b"\xff", 0, got) >= 0:
-                raise InputError("E8M0 scale byte 0xFF (NaN) is not a valid MXFP4 scale", file=str(raw.file),
-                                 tensor=raw.name or None, hint="the checkpoint is corrupt; re-export it")
-            self._digest.update(view[:got])
-            pos += got
-            left -= got
+        pos = 0
+        marks: list[tuple[int, FileSlice]] = []
+        try:
+            while True:
+                with self._cond:
+                    while pos == self._written and not self._stopped and self._error is None:
+                        self._cond.wait()
+                    if self._error is not None or pos == self._written:
+                        return
+                    end = self._written
+                    marks += self._marks
+                    self._marks = []
+                while pos < end and self._error is None:
+                    got = os.preadv(self._rfd, [view[:min(end - pos, COPY_CHUNK)]], pos)
+                    if got <= 0:
+                        raise OSError(errno.EIO, "the shard got shorter while being written")
+                    marks = _check_e8m0(buf, pos, got, marks)
+                    self._hash_chunk(view[:got])
+                    pos += got
+        except BaseException as exc:  # reported to the producer
+            self._fail(exc)
 
-    def _source(self, src: FileSlice, thread: int) -> int:
-        """The open source file of ``src`` for the writer (0) or the hasher (1) thread."""
-        fds = self._fds[thread]
-        if src.file not in fds:
+    def _hash_chunk(self, chunk: memoryview) -> None:
+        self._digest.update(chunk)
+
+    def _source(self, src: FileSlice) -> int:
+        """The open source file of ``src`` (one descriptor per file for the shard's lifetime: a
+        ct-mxfp4 rename copies ~10,000 small tensors)."""
+        if src.file not in self._fds:
             try:
-                fds[src.file] = os.open(src.file, os.O_RDONLY)
+                self._fds[src.file] = os.open(src.file, os.O_RDONLY)
             except OSError as exc:
                 raise InputError(f"cannot read the source: {exc.strerror}", file=str(src.file), tensor=src.name or None,
                                  hint="the source changed during the conversion; restore it and rerun") from exc
-        return fds[src.file]
+        return self._fds[src.file]
 
     def _write(self, raw: bytes | memoryview) -> None:
         view = memoryview(raw)
@@ -551,7 +572,7 @@ class _BackgroundWriter:
             self._wb.advance(n)
 
     def _copy(self, src: FileSlice, parts: tuple[FileSlice, ...] = ()) -> None:
-        fd = self._source(src, 0)
+        fd = self._source(src)
         pos, left = src.begin, src.length
         while left and self._cfr:
             try:
@@ -593,19 +614,15 @@ class _BackgroundWriter:
             while b.used and b.used + size > b.limit and self._error is None:
                 b.cond.wait()
             b.used += size
-        item: list[Any] = [raw, 2]
-        self._wq.put(item)
-        self._hq.put(item)
+        self._wq.put(raw)
 
     def _join(self) -> None:
         self._wq.put(None)
-        self._hq.put(None)
         for t in self._threads:
             t.join()
-        for fds in self._fds:
-            for fd in fds.values():
-                os.close(fd)
-            fds.clear()
+        for fd in (*self._fds.values(), self._rfd):
+            os.close(fd)
+        self._fds.clear()
 
     def close(self) -> str:
         self._join()
@@ -619,10 +636,26 @@ class _BackgroundWriter:
         return self._digest.hexdigest()
 
     def abort(self) -> None:
-        self._error = self._error or RuntimeError("aborted")
+        self._fail(RuntimeError("aborted"))
         self._join()
         with contextlib.suppress(OSError):
             self._fh.close()
+
+
+def _check_e8m0(buf: bytearray, pos: int, got: int, marks: list[tuple[int, FileSlice]]) -> list[tuple[int, FileSlice]]:
+    """Fail on a 0xFF byte inside a copied E8M0 range that overlaps the chunk ``buf[:got]`` (file offset
+    ``pos``); returns the ranges that go on past the chunk (``marks`` are in file order)."""
+    end = pos + got
+    for i, (begin, src) in enumerate(marks):
+        if begin >= end:
+            return marks[i:]
+        lo, hi = max(begin, pos), min(begin + src.length, end)
+        if lo < hi and buf.find(b"\xff", lo - pos, hi - pos) >= 0:
+            raise InputError("E8M0 scale byte 0xFF (NaN) is not a valid MXFP4 scale", file=str(src.file),
+                             tensor=src.name or None, hint="the checkpoint is corrupt; re-export it")
+        if begin + src.length > end:
+            return marks[i:]
+    return []
 
 
 def _iter_checked(data: Iterable[bytes | torch.Tensor | FileSlice], n: int) -> Iterator[bytes | torch.Tensor | FileSlice]:
