@@ -10,8 +10,7 @@ Qwen3-30B-A3B-like ModelOpt checkpoint, warm page cache, Triton cache warmed by 
 * ``nohash``: the shard writers' sha256 replaced by nothing (the manifest then holds a wrong digest:
   a diagnostic, never a mode of the tool);
 * ``shm``: the destination in /dev/shm (no disk: write and fsync cost memory copies only);
-* ``nohash_shm``: both;
-* ``pread``: the hasher reads the shard back by ``pread`` into a buffer instead of through a mapping.
+* ``nohash_shm``: both.
 
 If removing a cost does not shorten the run, that cost is not what bounds it. One JSON line per run
 (also OUT_DIR/probe_e2e_bounds.jsonl).
@@ -81,7 +80,6 @@ def main() -> None:
             shutil.rmtree(dst, ignore_errors=True)
             subprocess.run(["sync"], check=True)
             safetensors_io._BackgroundWriter._hash_chunk = _no_hash if "nohash" in v else _REAL_HASH
-            safetensors_io.HASH_READ = "pread" if "pread" in v else "mmap"
             t = time.perf_counter()
             report = convert(src, dst, opts)
             wall = time.perf_counter() - t

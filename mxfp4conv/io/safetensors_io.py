@@ -16,7 +16,6 @@ import hashlib
 import itertools
 import json
 import math
-import mmap
 import os
 import queue
 import stat
@@ -145,9 +144,6 @@ _NO_CFR = {errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, errno.ENOT
 # slices / BATCH_BYTES bytes: each hand-off costs ~40 us of thread switching, and a ct-mxfp4 rename
 # copies ~10,000 small tensors.
 BATCH_SLICES = 256
-# How the hasher thread reads a shard back: "mmap" (hashes the page cache in place) or "pread" (copies
-# 16 MiB pieces into a buffer first). Measured in BENCHMARKS.md.
-HASH_READ = os.environ.get("MXFP4CONV_HASH_READ", "mmap")
 BATCH_BYTES = 64 << 20
 WRITEBACK_CHUNK = 16 << 20  # start the disk writeback of every 16 MiB written (see _Writeback)
 
@@ -528,7 +524,8 @@ class _BackgroundWriter:
             self._cond.notify_all()
 
     def _hash_loop(self) -> None:
-        buf = bytearray(COPY_CHUNK) if HASH_READ == "pread" else None  # reused: no per-chunk allocation
+        buf = bytearray(COPY_CHUNK)  # reused: no per-chunk allocation
+        view = memoryview(buf)
         pos = 0
         marks: list[tuple[int, FileSlice]] = []
         try:
@@ -541,34 +538,15 @@ class _BackgroundWriter:
                     end = self._written
                     marks += self._marks
                     self._marks = []
-                if buf is None:
-                    pos, marks = self._hash_mapped(pos, end, marks)
-                    continue
-                view = memoryview(buf)
                 while pos < end and self._error is None:
                     got = os.preadv(self._rfd, [view[:min(end - pos, COPY_CHUNK)]], pos)
                     if got <= 0:
                         raise OSError(errno.EIO, "the shard got shorter while being written")
-                    marks = _check_e8m0(buf, pos, pos, pos + got, marks)
+                    marks = _check_e8m0(buf, pos, got, marks)
                     self._hash_chunk(view[:got])
                     pos += got
         except BaseException as exc:  # reported to the producer
             self._fail(exc)
-
-    def _hash_mapped(self, pos: int, end: int, marks: list[tuple[int, FileSlice]]) -> tuple[int, list[tuple[int, FileSlice]]]:
-        """Hash file bytes [pos, end) straight from the page cache through a read-only mapping (no copy)."""
-        base = pos - pos % mmap.ALLOCATIONGRANULARITY
-        with mmap.mmap(self._rfd, end - base, offset=base, access=mmap.ACCESS_READ) as mm:
-            view = memoryview(mm)
-            try:
-                while pos < end and self._error is None:
-                    n = min(end - pos, COPY_CHUNK)
-                    marks = _check_e8m0(mm, base, pos, pos + n, marks)
-                    self._hash_chunk(view[pos - base:pos - base + n])
-                    pos += n
-            finally:
-                view.release()
-        return pos, marks
 
     def _hash_chunk(self, chunk: memoryview) -> None:
         self._digest.update(chunk)
@@ -664,16 +642,15 @@ class _BackgroundWriter:
             self._fh.close()
 
 
-def _check_e8m0(data: bytearray | mmap.mmap, base: int, pos: int, end: int,
-                marks: list[tuple[int, FileSlice]]) -> list[tuple[int, FileSlice]]:
-    """Fail on a 0xFF byte where a copied E8M0 range (``marks``: (file offset, slice), in file order)
-    overlaps the file bytes [pos, end), held in ``data`` from file offset ``base``; returns the ranges
-    that go on past ``end``."""
+def _check_e8m0(buf: bytearray, pos: int, got: int, marks: list[tuple[int, FileSlice]]) -> list[tuple[int, FileSlice]]:
+    """Fail on a 0xFF byte inside a copied E8M0 range that overlaps the chunk ``buf[:got]`` (file offset
+    ``pos``); returns the ranges that go on past the chunk (``marks`` are in file order)."""
+    end = pos + got
     for i, (begin, src) in enumerate(marks):
         if begin >= end:
             return marks[i:]
         lo, hi = max(begin, pos), min(begin + src.length, end)
-        if lo < hi and data.find(b"\xff", lo - base, hi - base) >= 0:
+        if lo < hi and buf.find(b"\xff", lo - pos, hi - pos) >= 0:
             raise InputError("E8M0 scale byte 0xFF (NaN) is not a valid MXFP4 scale", file=str(src.file),
                              tensor=src.name or None, hint="the checkpoint is corrupt; re-export it")
         if begin + src.length > end:
