@@ -246,7 +246,7 @@ def direct_slices(spec: UnitSpec, ckpt: Checkpoint, target: Target, ctx: WriterC
                                      for r, o in zip(refs, outs, strict=True)):
         return None
     # E8M0 0xFF (NaN) is invalid input even when only copied: the writer's hasher, which reads every
-    # written byte back anyway, checks these slices (no separate pass over the scales)
+    # copied byte anyway, checks these slices (no separate pass over the scales)
     return [FileSlice(r.file, r.begin, r.nbytes, r.name,
                       e8m0=spec.kind != "passthrough" and r.dtype == "U8" and r.name.endswith(("weight_scale", "_scales")))
             for r in refs]
@@ -589,8 +589,8 @@ def _write_all(ckpt: Checkpoint, layout: Any, target: Target, plan: Plan,
 
 
 # Shards still finishing their hash and fsync while the next one is produced. Their hashers read the
-# written bytes back from the page cache and hold no queued memory, so they hash in parallel (one core
-# each) while the producer runs at the disk's pace; two keep up with an H200 host (BENCHMARKS.md).
+# written bytes back (from the page cache) and hold no queued memory, so they hash in parallel (one
+# core each) while the producer runs at the disk's pace (BENCHMARKS.md).
 PENDING_SHARDS = 2
 
 

@@ -247,29 +247,3 @@ def test_a_lagging_hasher_never_holds_back_the_producer(tmp_path: Path, monkeypa
         th.join(60)
     assert got[0].result(timeout=60) == hashlib.sha256(path.read_bytes()).hexdigest()  # type: ignore[attr-defined]
 
-
-def test_e8m0_check_across_chunks_names_the_first_bad_range() -> None:
-    """``_check_e8m0`` over a file read in chunks of every size: it fails exactly when a marked range
-    holds 0xFF, naming the range of the first such byte in file order; unmarked 0xFF never fails."""
-    rng = torch.Generator().manual_seed(7)
-    for trial in range(400):
-        n = int(torch.randint(1, 300, (1,), generator=rng))
-        data = bytearray(torch.randint(0, 255, (n,), generator=rng, dtype=torch.uint8).numpy().tobytes())  # no 0xFF
-        for _ in range(int(torch.randint(0, 4, (1,), generator=rng))):
-            data[int(torch.randint(0, n, (1,), generator=rng))] = 0xFF
-        cuts = sorted({int(x) for x in torch.randint(0, n + 1, (6,), generator=rng)} | {0, n})
-        marks = [(a, sio.FileSlice(Path("/src"), 1000 + a, b - a, f"t{a}", e8m0=True))
-                 for a, b in zip(cuts[::2], cuts[1::2], strict=False) if b > a]
-        bad = [(data.index(0xFF, a, a + s.length), s.name) for a, s in marks if 0xFF in data[a:a + s.length]]
-        chunk = int(torch.randint(1, 64, (1,), generator=rng))
-        pending = list(marks)
-        try:
-            for pos in range(0, n, chunk):
-                got = min(chunk, n - pos)
-                pending = sio._check_e8m0(bytearray(data[pos:pos + got]), pos, got, pending)
-        except InputError as exc:
-            assert bad, trial
-            assert exc.tensor == min(bad)[1] and exc.file == "/src", trial
-        else:
-            assert not bad, trial
-            assert pending == [], trial

@@ -129,7 +129,7 @@ class FileSlice:
     length: int
     name: str = ""  # the source tensor (for error messages)
     # MXFP4 E8M0 scales: the byte 0xFF (NaN) is invalid input. Checked by the hasher thread, which
-    # reads every written byte back anyway (an InputError naming file and tensor fails the shard).
+    # reads every copied byte from its source anyway (an InputError naming file and tensor fails the shard).
     e8m0: bool = False
 
 
@@ -137,7 +137,7 @@ COPY_CHUNK = 16 << 20
 # How the writer thread copies a source byte range: "copy_file_range" (kernel-side, the default where
 # Python has it: Linux), or "readwrite" (pread into a reused buffer, then write). A filesystem pair
 # that refuses copy_file_range (EXDEV, EINVAL, EOPNOTSUPP, ENOSYS) falls back to read/write on the
-# spot. Either way the hasher thread reads the copied bytes back from the new shard. Measured in BENCHMARKS.md.
+# spot. Either way the hasher thread reads the same range from the source itself. Measured in BENCHMARKS.md.
 COPY_MODE = os.environ.get("MXFP4CONV_COPY", "copy_file_range" if hasattr(os, "copy_file_range") else "readwrite")
 _NO_CFR = {errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, errno.ENOTSUP}
 # Byte-range copies are handed to the writer thread in batches of up to BATCH_SLICES
@@ -383,7 +383,7 @@ def stream_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]
     ``data`` (one item per entry, in the same order) can be produced lazily. Writing and hashing run
     on background threads (both release the GIL), overlapping with the producer's reading and
     transforming; bytes queued for writing count against ``budget`` (1 GiB by default; the hasher
-    reads the written bytes back from the file and holds none). The future resolves to
+    reads computed bytes back from the file once written and holds none). The future resolves to
     the sha256 once the shard's writer and hasher threads are done and the file is fsynced, or to
     the error they met (``OutputError`` for the destination; ``InputError`` for a source that changed
     while copied or a copied E8M0 scale byte 0xFF). The caller must wait for it before using or
@@ -443,26 +443,27 @@ def copy_runs(slices: tuple[FileSlice, ...]) -> list[tuple[FileSlice, tuple[File
     return runs
 
 
-def _shrank(src: FileSlice, pos: int, parts: tuple[FileSlice, ...] = ()) -> InputError:
+def _shrank(src: FileSlice, pos: int | None = None, parts: tuple[FileSlice, ...] = ()) -> InputError:
     """The error for a source that ended before ``src`` (at file offset ``pos``, inside one of ``parts``)."""
-    src = next((p for p in parts if p.begin <= pos < p.begin + p.length), src)
+    src = next((p for p in parts if pos is not None and p.begin <= pos < p.begin + p.length), src)
     return InputError("file ended inside the tensor's data (truncated while being converted?)", file=str(src.file),
                       tensor=src.name or None, hint="the source changed during the conversion; download it again")
 
 
 class _BackgroundWriter:
-    """Two threads per shard. The writer writes queued buffers and copies queued byte ranges, in
-    order; the hasher follows it through the file itself (its own descriptor, reading back from the
-    page cache what the writer has finished) and hashes the bytes in order, checking the byte ranges
-    of copied E8M0 scales for 0xFF on the way. A queued buffer's memory is released as soon as it is
-    written, so the producer waits for the disk only, never for the sha256 (one core's ~1.4 GB/s on an
-    H200 host, slower than that host's pipeline: BENCHMARKS.md), and the hashers of shards still
-    finishing run in parallel with the next shard's production. Errors surface on put/close."""
+    """Two threads per shard, each taking the shard's items in order. The writer writes computed
+    buffers and copies byte ranges from source files. The hasher hashes the shard's bytes: a copied
+    range from its source, at once (the same bytes; it also checks ranges marked E8M0 for 0xFF), and a
+    computed buffer by reading it back from the new file (the page cache) once the writer is past it.
+    So a buffer's memory is released as soon as it is written and the producer waits for the disk
+    only, never for the sha256 (one core's ~1-1.4 GB/s on an H200 host, slower than that host's
+    pipeline: BENCHMARKS.md), and the hashers of shards still finishing run in parallel with the next
+    shard's production. Errors surface on put/close."""
 
     def __init__(self, path: Path, budget: InflightBudget) -> None:
         try:
             self._fh = open(path, "xb", buffering=0)  # noqa: SIM115 - closed by close()/abort()
-            self._rfd = os.open(path, os.O_RDONLY)  # the hasher's
+            self._rfd = os.open(path, os.O_RDONLY)  # the hasher's, to read computed bytes back
         except OSError as exc:
             with contextlib.suppress(AttributeError, OSError):
                 self._fh.close()
@@ -473,16 +474,16 @@ class _BackgroundWriter:
         self._wb = _Writeback(self._fh.fileno())
         self._wbuf: memoryview | None = None  # copy buffer of the writer thread
         self._cfr = COPY_MODE == "copy_file_range"  # cleared when the filesystems refuse it
-        self._fds: dict[Path, int] = {}  # source files open for the writer, kept for the shard's lifetime
+        self._hbuf: bytearray | None = None  # read buffer of the hasher thread
+        # source files open for the writer (0) and the hasher (1) thread, one descriptor per thread and
+        # file for the shard's lifetime: a ct-mxfp4 rename copies ~10,000 small tensors
+        self._fds: tuple[dict[Path, int], dict[Path, int]] = ({}, {})
         self._wq: queue.Queue[bytes | memoryview | tuple[FileSlice, ...] | None] = queue.Queue()
+        self._hq: queue.Queue[int | tuple[FileSlice, ...] | None] = queue.Queue()  # buffers by size
         self._budget = budget
         self._error: BaseException | None = None
-        # what the writer publishes to the hasher (under _cond): bytes finished, the output ranges of
-        # copied E8M0 scales (begin, slice) not yet handed over, and whether it has stopped
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # guards _written (bytes the writer has finished) and _error
         self._written = 0
-        self._marks: list[tuple[int, FileSlice]] = []
-        self._stopped = False
         self._threads = [threading.Thread(target=self._write_loop, name="mxfp4conv-writer", daemon=True),
                          threading.Thread(target=self._hash_loop, name="mxfp4conv-hasher", daemon=True)]
         for t in self._threads:
@@ -497,70 +498,74 @@ class _BackgroundWriter:
         while (raw := self._wq.get()) is not None:
             try:
                 if self._error is None:
-                    self._write_item(raw)
+                    if isinstance(raw, tuple):
+                        for run, parts in copy_runs(raw):
+                            self._copy(run, parts)
+                    else:
+                        self._write(raw)
+                    with self._cond:
+                        self._written += sum(s.length for s in raw) if isinstance(raw, tuple) else len(raw)
+                        self._cond.notify_all()
             except BaseException as exc:  # reported to the producer
                 self._fail(exc)
             with self._budget.cond:
                 self._budget.used -= 0 if isinstance(raw, tuple) else len(raw)
                 self._budget.cond.notify_all()
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
-
-    def _write_item(self, raw: bytes | memoryview | tuple[FileSlice, ...]) -> None:
-        pos = self._written
-        marks: list[tuple[int, FileSlice]] = []
-        if isinstance(raw, tuple):
-            for run, parts in copy_runs(raw):
-                marks += [(pos + p.begin - run.begin, p) for p in parts if p.e8m0]
-                self._copy(run, parts)
-                pos += run.length
-        else:
-            self._write(raw)
-            pos += len(raw)
-        with self._cond:
-            self._written = pos
-            self._marks += marks
-            self._cond.notify_all()
 
     def _hash_loop(self) -> None:
-        buf = bytearray(COPY_CHUNK)  # reused: no per-chunk allocation
-        view = memoryview(buf)
-        pos = 0
-        marks: list[tuple[int, FileSlice]] = []
+        pos = 0  # shard bytes hashed so far
         try:
-            while True:
-                with self._cond:
-                    while pos == self._written and not self._stopped and self._error is None:
+            while (job := self._hq.get()) is not None:
+                if self._error is not None:
+                    continue  # drain to the end marker
+                if isinstance(job, tuple):
+                    for src in job:
+                        self._hash_range(self._source(src, 1), src.begin, src.length, src)
+                        pos += src.length
+                    continue
+                with self._cond:  # a computed buffer: wait until it is in the file
+                    while self._written < pos + job and self._error is None:
                         self._cond.wait()
-                    if self._error is not None or pos == self._written:
-                        return
-                    end = self._written
-                    marks += self._marks
-                    self._marks = []
-                while pos < end and self._error is None:
-                    got = os.preadv(self._rfd, [view[:min(end - pos, COPY_CHUNK)]], pos)
-                    if got <= 0:
-                        raise OSError(errno.EIO, "the shard got shorter while being written")
-                    marks = _check_e8m0(buf, pos, got, marks)
-                    self._hash_chunk(view[:got])
-                    pos += got
+                self._hash_range(self._rfd, pos, job, None)
+                pos += job
         except BaseException as exc:  # reported to the producer
             self._fail(exc)
+            while self._hq.get() is not None:
+                pass
+
+    def _hash_range(self, fd: int, pos: int, left: int, src: FileSlice | None) -> None:
+        """Hash ``left`` bytes of ``fd`` from ``pos``: a copied slice's source range (``src``), or the
+        shard's own bytes (``src`` None)."""
+        if self._hbuf is None:
+            self._hbuf = bytearray(COPY_CHUNK)  # reused: no per-chunk allocation
+        buf = self._hbuf
+        view = memoryview(buf)
+        while left and self._error is None:
+            got = os.preadv(fd, [view[:min(left, COPY_CHUNK)]], pos)
+            if got <= 0:
+                if src is None:
+                    raise OSError(errno.EIO, "the shard got shorter while being written")
+                raise _shrank(src)
+            if src is not None and src.e8m0 and buf.find(b"\xff", 0, got) >= 0:
+                raise InputError("E8M0 scale byte 0xFF (NaN) is not a valid MXFP4 scale", file=str(src.file),
+                                 tensor=src.name or None, hint="the checkpoint is corrupt; re-export it")
+            self._hash_chunk(view[:got])
+            pos += got
+            left -= got
 
     def _hash_chunk(self, chunk: memoryview) -> None:
         self._digest.update(chunk)
 
-    def _source(self, src: FileSlice) -> int:
-        """The open source file of ``src`` (one descriptor per file for the shard's lifetime: a
-        ct-mxfp4 rename copies ~10,000 small tensors)."""
-        if src.file not in self._fds:
+    def _source(self, src: FileSlice, thread: int) -> int:
+        """The open file of ``src`` for the writer (0) or the hasher (1) thread."""
+        fds = self._fds[thread]
+        if src.file not in fds:
             try:
-                self._fds[src.file] = os.open(src.file, os.O_RDONLY)
+                fds[src.file] = os.open(src.file, os.O_RDONLY)
             except OSError as exc:
                 raise InputError(f"cannot read the source: {exc.strerror}", file=str(src.file), tensor=src.name or None,
                                  hint="the source changed during the conversion; restore it and rerun") from exc
-        return self._fds[src.file]
+        return fds[src.file]
 
     def _write(self, raw: bytes | memoryview) -> None:
         view = memoryview(raw)
@@ -572,7 +577,7 @@ class _BackgroundWriter:
             self._wb.advance(n)
 
     def _copy(self, src: FileSlice, parts: tuple[FileSlice, ...] = ()) -> None:
-        fd = self._source(src)
+        fd = self._source(src, 0)
         pos, left = src.begin, src.length
         while left and self._cfr:
             try:
@@ -615,14 +620,19 @@ class _BackgroundWriter:
                 b.cond.wait()
             b.used += size
         self._wq.put(raw)
+        self._hq.put(raw if isinstance(raw, tuple) else size)
 
     def _join(self) -> None:
         self._wq.put(None)
+        self._hq.put(None)
         for t in self._threads:
             t.join()
-        for fd in (*self._fds.values(), self._rfd):
-            os.close(fd)
-        self._fds.clear()
+        for fds in self._fds:
+            for fd in fds.values():
+                os.close(fd)
+            fds.clear()
+        with contextlib.suppress(OSError):
+            os.close(self._rfd)
 
     def close(self) -> str:
         self._join()
@@ -640,22 +650,6 @@ class _BackgroundWriter:
         self._join()
         with contextlib.suppress(OSError):
             self._fh.close()
-
-
-def _check_e8m0(buf: bytearray, pos: int, got: int, marks: list[tuple[int, FileSlice]]) -> list[tuple[int, FileSlice]]:
-    """Fail on a 0xFF byte inside a copied E8M0 range that overlaps the chunk ``buf[:got]`` (file offset
-    ``pos``); returns the ranges that go on past the chunk (``marks`` are in file order)."""
-    end = pos + got
-    for i, (begin, src) in enumerate(marks):
-        if begin >= end:
-            return marks[i:]
-        lo, hi = max(begin, pos), min(begin + src.length, end)
-        if lo < hi and buf.find(b"\xff", lo - pos, hi - pos) >= 0:
-            raise InputError("E8M0 scale byte 0xFF (NaN) is not a valid MXFP4 scale", file=str(src.file),
-                             tensor=src.name or None, hint="the checkpoint is corrupt; re-export it")
-        if begin + src.length > end:
-            return marks[i:]
-    return []
 
 
 def _iter_checked(data: Iterable[bytes | torch.Tensor | FileSlice], n: int) -> Iterator[bytes | torch.Tensor | FileSlice]:
