@@ -588,9 +588,9 @@ def _write_all(ckpt: Checkpoint, layout: Any, target: Target, plan: Plan,
     return dict(sorted(outputs.items()))
 
 
-# Shards still finishing their hash and fsync while the next one is produced. Their hashers read the
-# written bytes back (from the page cache) and hold no queued memory, so they hash in parallel (one
-# core each) while the producer runs at the disk's pace (BENCHMARKS.md).
+# Shards still finishing their hash and fsync while the next one is produced. Their hashers hold no
+# queued memory (computed bytes are read back from the page cache once written), so they hash in
+# parallel (one core each) while the producer runs at the disk's pace (BENCHMARKS.md).
 PENDING_SHARDS = 2
 
 

@@ -246,4 +246,3 @@ def test_a_lagging_hasher_never_holds_back_the_producer(tmp_path: Path, monkeypa
         release.set()
         th.join(60)
     assert got[0].result(timeout=60) == hashlib.sha256(path.read_bytes()).hexdigest()  # type: ignore[attr-defined]
-
