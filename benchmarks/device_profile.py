@@ -27,7 +27,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gen_checkpoint import generate
+from gen_checkpoint import generate, warm
 
 from mxfp4conv.pipeline import ConvertOptions, convert
 
@@ -76,10 +76,11 @@ def main() -> None:
     ap.add_argument("--to", default="ct")
     ap.add_argument("--work", type=Path, default=Path("/tmp/prof"))
     ap.add_argument("--sample", action="store_true", help="sample every thread instead of cProfile")
-    ap.add_argument("--keep-src", action="store_true", help="reuse WORK/src if it is there")
+    ap.add_argument("--keep-src", action="store_true", help="reuse WORK/src if it is there, and keep it afterwards")
     ap.add_argument("--pageable-output", action="store_true",
                     help="experiment: GPU results land in pageable memory through reused pinned staging buffers")
     args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     if args.keep_src and (args.work / "src").is_dir():
         shutil.rmtree(args.work / "out", ignore_errors=True)
         src = args.work / "src"
@@ -87,9 +88,7 @@ def main() -> None:
         shutil.rmtree(args.work, ignore_errors=True)
         args.work.mkdir(parents=True)
         src = generate(args.work / "src", "modelopt-nvfp4", args.layers)
-    size = sum(p.stat().st_size for p in src.rglob("*.safetensors"))
-    for p in src.rglob("*.safetensors"):
-        p.read_bytes()  # warm page cache
+    size = warm(src)
     opts = ConvertOptions(target=args.to, device=args.device, verify=False)
     if args.pageable_output:
         import functools
@@ -124,6 +123,10 @@ def main() -> None:
            "seconds": report.to_dict().get("seconds")}
     (args.out / "profile.json").write_text(json.dumps(doc, indent=1))
     print(json.dumps(doc))
+    # a 48-layer run leaves ~32 GB: keep only the source, and only when it is to be reused
+    shutil.rmtree(args.work / "out", ignore_errors=True)
+    if not args.keep_src:
+        shutil.rmtree(args.work, ignore_errors=True)
 
 
 if __name__ == "__main__":

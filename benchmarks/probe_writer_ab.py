@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gen_checkpoint import generate
+from gen_checkpoint import generate, warm
 
 import mxfp4conv.pipeline as pl
 from mxfp4conv.io import safetensors_io as sio
@@ -57,8 +57,7 @@ def main() -> None:
     writers = {"this": pl.stream_safetensors, "rev": _old_writer(args.rev)}
     shutil.rmtree(args.work, ignore_errors=True)
     src = generate(args.work / "src", args.layout, args.layers)
-    for p in src.rglob("*.safetensors"):
-        p.read_bytes()  # warm page cache
+    warm(src)
     lines = []
     for rnd in range(args.rounds):
         for name in ("rev", "this"):
