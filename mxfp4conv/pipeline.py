@@ -252,28 +252,48 @@ def direct_slices(spec: UnitSpec, ckpt: Checkpoint, target: Target, ctx: WriterC
             for r in refs]
 
 
+def _read_sizes(units: list[UnitSpec], ckpt: Checkpoint, target: Target, ctx: WriterContext) -> list[int]:
+    """Bytes each unit's read holds in memory: its source tensors', or 0 when the writer copies them."""
+    return [0 if direct_slices(spec, ckpt, target, ctx) is not None
+            else sum(ckpt.tensors[n].nbytes for n in spec.sources if n in ckpt.tensors) for spec in units]
+
+
+def _read_ahead(sizes: list[int], limit: int) -> list[int]:
+    """The single-device read-ahead schedule: for each unit i, how many units (from the first) have
+    been submitted for reading once i is the current one. Always i + 1, and more while the bytes of
+    the submitted units beyond i stay within ``limit``. ``sizes`` are the bytes a unit's read holds in
+    memory: 0 for units whose bytes the writer copies straight from the source (their reads return at
+    once), so a run of small pass-through units between two MoE layers does not keep the next layer
+    from being read while this one is transformed."""
+    upto: list[int] = []
+    nxt = 0
+    queued = 0  # bytes of the units submitted beyond the current one: sizes[i + 1:nxt]
+    for i in range(len(sizes)):
+        if nxt > i:
+            queued -= sizes[i]
+        while nxt < len(sizes) and (nxt <= i + 1 or queued + sizes[nxt] <= limit):
+            queued += sizes[nxt] if nxt > i else 0
+            nxt += 1
+        upto.append(nxt)
+    return upto
+
+
 def _unit_results(shard: _ShardPlan, ckpt: Checkpoint, layout: Any, target: Target, ctx: WriterContext,
                   opts: ConvertOptions) -> Iterator[tuple[list[torch.Tensor], dict[str, Any], float, float]]:
     """Units in plan order. One device: units ahead are read on a helper thread while this one is
-    transformed: always the next one, and more while the bytes read ahead stay within the largest
-    unit's (small attention / norm units then never leave the reader idle before a big MoE layer), so
-    at most about two of the largest units are in memory. Several devices: one unit per device in
-    flight, each read and transformed on its device's thread."""
+    transformed (``_read_ahead``: at most about two of the largest units in memory). Several devices:
+    one unit per device in flight, each read and transformed on its device's thread."""
     devs = _devices(opts)
     if len(devs) == 1:
         units = shard.units
-        sizes = [sum(ckpt.tensors[n].nbytes for n in spec.sources if n in ckpt.tensors) for spec in units]
-        limit = max(sizes, default=0)
+        sizes = _read_sizes(units, ckpt, target, ctx)
+        upto = _read_ahead(sizes, max(sizes, default=0))
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4conv-read") as reader:
             ahead: dict[int, Future[tuple[Any, float]]] = {}
             nxt = 0
-            queued = 0  # bytes of the units submitted beyond the current one: sizes[i + 1:nxt]
             for i, spec in enumerate(units):
-                if nxt > i:
-                    queued -= sizes[i]
-                while nxt < len(units) and (nxt <= i + 1 or queued + sizes[nxt] <= limit):
+                while nxt < upto[i]:
                     ahead[nxt] = reader.submit(_read, units[nxt], ckpt, layout, target, ctx, devs[0])
-                    queued += sizes[nxt] if nxt > i else 0
                     nxt += 1
                 source = ahead.pop(i).result()
                 yield _transform(spec, ckpt, layout, target, ctx, opts, devs[0], source)

@@ -1,0 +1,45 @@
+"""The single-device read-ahead: which units are being read while one is transformed."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from tiny import build
+
+from mxfp4conv.pipeline import ConvertOptions, _read_ahead, _read_sizes, plan_shards, prepare
+
+
+def test_the_next_moe_layer_is_read_while_this_one_is_transformed(tmp_path: Path) -> None:
+    """ModelOpt NVFP4 -> ct: between two MoE layers sit pass-through units (norms, router, attention)
+    whose bytes the writer copies from the source; they hold no memory, so once the first MoE layer
+    is the current unit, the second one is already submitted (before, their bytes filled the budget
+    and the next layer's read waited for the current layer's transform)."""
+    src = build("modelopt-nvfp4", tmp_path / "src", shards=1)
+    ckpt, _, plan, target, ctx = prepare(src, ConvertOptions(target="ct"))
+    units = [u for shard in plan_shards(target, ctx, plan, 1 << 40, "") for u in shard.units]
+    sizes = _read_sizes(units, ckpt, target, ctx)
+    moe = [i for i, u in enumerate(units) if u.kind == "moe"]
+    assert len(moe) == 2 and moe[1] > moe[0] + 1  # pass-through units in between
+    assert all(sizes[i] == 0 for i, u in enumerate(units) if u.kind == "passthrough")
+    assert all(sizes[i] > 0 for i in moe)
+    upto = _read_ahead(sizes, max(sizes))
+    assert upto[moe[0]] > moe[1]
+
+
+def test_read_ahead_schedule_properties() -> None:
+    """On random unit sizes: the next unit is always submitted, the bytes read ahead of the current
+    unit stay within the limit (or are just the next unit), the schedule is greedy and never goes back."""
+    rng = random.Random(5)
+    for _ in range(3000):
+        n = rng.randint(1, 30)
+        sizes = [rng.choice([0, 0, rng.randint(1, 10), rng.randint(1, 1000)]) for _ in range(n)]
+        limit = max(sizes)
+        upto = _read_ahead(sizes, limit)
+        assert upto == sorted(upto) and len(upto) == n
+        for i, u in enumerate(upto):
+            assert u >= min(i + 2, n)
+            ahead = sum(sizes[i + 1:u])
+            assert ahead <= limit or u == i + 2
+            if u < n and u > i + 1:
+                assert ahead + sizes[u] > limit  # greedy: the next one would not fit
