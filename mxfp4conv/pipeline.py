@@ -252,18 +252,18 @@ def direct_slices(spec: UnitSpec, ckpt: Checkpoint, target: Target, ctx: WriterC
             for r in refs]
 
 
-def _read_sizes(units: list[UnitSpec], ckpt: Checkpoint, target: Target, ctx: WriterContext) -> list[int]:
-    """Bytes each unit's read holds in memory: its source tensors', or 0 when the writer copies them."""
-    return [0 if direct_slices(spec, ckpt, target, ctx) is not None
-            else sum(ckpt.tensors[n].nbytes for n in spec.sources if n in ckpt.tensors) for spec in units]
+def _read_sizes(units: list[UnitSpec], direct: list[list[FileSlice] | None], ckpt: Checkpoint) -> list[int]:
+    """Bytes each unit's read holds in memory: its source tensors', or 0 when the writer copies them
+    (``direct``: each unit's ``direct_slices``)."""
+    return [0 if d is not None else sum(ckpt.tensors[n].nbytes for n in spec.sources if n in ckpt.tensors)
+            for spec, d in zip(units, direct, strict=True)]
 
 
 def _read_ahead(sizes: list[int], limit: int) -> list[int]:
     """The single-device read-ahead schedule: for each unit i, how many units (from the first) have
     been submitted for reading once i is the current one. Always i + 1, and more while the bytes of
     the submitted units beyond i stay within ``limit``. ``sizes`` are the bytes a unit's read holds in
-    memory: 0 for units whose bytes the writer copies straight from the source (their reads return at
-    once), so a run of small pass-through units between two MoE layers does not keep the next layer
+    memory: 0 for units whose bytes the writer copies straight from the source (nothing is read), so a run of small pass-through units between two MoE layers does not keep the next layer
     from being read while this one is transformed."""
     upto: list[int] = []
     nxt = 0
@@ -286,16 +286,18 @@ def _unit_results(shard: _ShardPlan, ckpt: Checkpoint, layout: Any, target: Targ
     devs = _devices(opts)
     if len(devs) == 1:
         units = shard.units
-        sizes = _read_sizes(units, ckpt, target, ctx)
+        direct = [direct_slices(spec, ckpt, target, ctx) for spec in units]
+        sizes = _read_sizes(units, direct, ckpt)
         upto = _read_ahead(sizes, max(sizes, default=0))
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4conv-read") as reader:
             ahead: dict[int, Future[tuple[Any, float]]] = {}
             nxt = 0
             for i, spec in enumerate(units):
                 while nxt < upto[i]:
-                    ahead[nxt] = reader.submit(_read, units[nxt], ckpt, layout, target, ctx, devs[0])
+                    if direct[nxt] is None:
+                        ahead[nxt] = reader.submit(_read, units[nxt], ckpt, layout, target, ctx, devs[0])
                     nxt += 1
-                source = ahead.pop(i).result()
+                source = ahead.pop(i).result() if direct[i] is None else (direct[i], 0.0)
                 yield _transform(spec, ckpt, layout, target, ctx, opts, devs[0], source)
         return
     with ThreadPoolExecutor(max_workers=len(devs), thread_name_prefix="mxfp4conv-unit") as pool:

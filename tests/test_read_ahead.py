@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tiny import build
 
-from mxfp4conv.pipeline import ConvertOptions, _read_ahead, _read_sizes, plan_shards, prepare
+from mxfp4conv.pipeline import ConvertOptions, _read_ahead, _read_sizes, direct_slices, plan_shards, prepare
 
 
 def test_the_next_moe_layer_is_read_while_this_one_is_transformed(tmp_path: Path) -> None:
@@ -18,7 +18,7 @@ def test_the_next_moe_layer_is_read_while_this_one_is_transformed(tmp_path: Path
     src = build("modelopt-nvfp4", tmp_path / "src", shards=1)
     ckpt, _, plan, target, ctx = prepare(src, ConvertOptions(target="ct"))
     units = [u for shard in plan_shards(target, ctx, plan, 1 << 40, "") for u in shard.units]
-    sizes = _read_sizes(units, ckpt, target, ctx)
+    sizes = _read_sizes(units, [direct_slices(u, ckpt, target, ctx) for u in units], ckpt)
     moe = [i for i, u in enumerate(units) if u.kind == "moe"]
     assert len(moe) == 2 and moe[1] > moe[0] + 1  # pass-through units in between
     assert all(sizes[i] == 0 for i, u in enumerate(units) if u.kind == "passthrough")
