@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--skip-identity", action="store_true", help="skip case 1 (tests/test_pipeline_gpu.py covers it)")
     ap.add_argument("--rounds", type=int, default=1, help="cp / convert pairs, alternating (each its own ratio)")
     ap.add_argument("--skip-verify", action="store_true", help="do not time `mxfp4conv verify` afterwards")
+    ap.add_argument("--src", type=Path, help="convert this NVFP4 checkpoint (kept) instead of generating one")
     args = ap.parse_args()
     log = open(args.out / "device_e2e.jsonl", "w")  # noqa: SIM115
 
@@ -72,7 +73,7 @@ def main() -> None:
     # 1. byte-identity: CPU vs one GPU vs every GPU, on a one-layer Qwen3-30B-A3B-like NVFP4 checkpoint
     if not args.skip_identity:
         identity(w, emit)
-    big(w, args.layers, emit, args.rounds, not args.skip_verify)
+    big(w, args.layers, emit, args.rounds, not args.skip_verify, args.src)
     shutil.rmtree(w, ignore_errors=True)
 
 
@@ -87,10 +88,13 @@ def identity(w: Path, emit: Any) -> None:
     shutil.rmtree(w / "small")
 
 
-def big(w: Path, layers: int, emit: Any, rounds: int = 1, verify: bool = True) -> None:
+def big(w: Path, layers: int, emit: Any, rounds: int = 1, verify: bool = True, src: Path | None = None) -> None:
     """2. throughput against cp of the same files (warm page cache), >= 4 GB; ``rounds`` alternating
     cp / convert pairs, each reported with its own ratio (these hosts' disks are noisy)."""
-    src = generate(w / "big", "modelopt-nvfp4", layers)
+    if src is None:
+        src = generate(w / "big", "modelopt-nvfp4", layers)
+    else:
+        layers = len({p.split(".mlp.experts")[0] for p in json.loads((src / "model.safetensors.index.json").read_text())["weight_map"] if ".mlp.experts." in p})
     size = sum(p.stat().st_size for p in src.rglob("*.safetensors"))
     for p in src.rglob("*.safetensors"):
         p.read_bytes()

@@ -9,7 +9,8 @@ OUT_DIR/profile.json (the convert report: per-stage seconds, wall, GB/s).
 ``--sample`` replaces cProfile (which sees the main thread only) by a sampler of every thread's stack
 (``sys._current_frames`` every 2 ms): OUT_DIR/samples.txt lists, per thread, where it spent its
 time (innermost frame of our package or the stdlib call it waits in), so a reader / device / writer /
-hasher thread that bounds the pipeline shows up as the one that is never idle.
+hasher thread that bounds the pipeline shows up as the one that is never idle; OUT_DIR/timeline.txt
+shows, per half second, how busy each kind of thread was (start-up, steady state and tail apart).
 """
 
 from __future__ import annotations
@@ -49,14 +50,37 @@ class Sampler(threading.Thread):
         self.period = period
         self.stop = threading.Event()
         self.counts: dict[str, Counter[str]] = defaultdict(Counter)
+        # per thread, per BUCKET seconds since start: [busy samples, all samples]
+        self.timeline: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+        self.t0 = time.perf_counter()
+
+    BUCKET = 0.5
+    IDLE = ("threading.py:wait", "thread.py:_worker", "_wait_for_tstate_lock", "queue.py:get")
 
     def run(self) -> None:
         me = threading.get_ident()
         while not self.stop.wait(self.period):
             names = {t.ident: t.name for t in threading.enumerate()}
+            b = int((time.perf_counter() - self.t0) / self.BUCKET)
             for ident, frame in sys._current_frames().items():
                 if ident != me:
-                    self.counts[names.get(ident, str(ident))][_where(frame)] += 1
+                    name = names.get(ident, str(ident))
+                    where = _where(frame)
+                    self.counts[name][where] += 1
+                    cell = self.timeline[name.rstrip("0123456789_")][b]
+                    cell[0] += not where.endswith(self.IDLE)
+                    cell[1] += 1
+
+    def timeline_text(self) -> str:
+        """One line per thread kind (numbered threads merged): per BUCKET seconds, the busy share of its
+        samples as a digit (0-9, '*' = every sample busy, '.' = the thread did not exist)."""
+        last = max((max(t) for t in self.timeline.values() if t), default=0)
+        lines = [f"bucket {self.BUCKET} s; digit = busy share of the thread kind's samples (9 = 90%+)"]
+        for name, cells in sorted(self.timeline.items()):
+            row = "".join("." if b not in cells else ("*" if cells[b][0] == cells[b][1] else str(min(9, 10 * cells[b][0] // cells[b][1])))
+                          for b in range(last + 1))
+            lines.append(f"{name[:22]:22s} {row}")
+        return "\n".join(lines) + "\n"
 
     def report(self) -> str:
         lines = []
@@ -100,13 +124,15 @@ def main() -> None:
     # warm-up on a copy of one layer's worth is not possible cheaply: JIT time is part of the first unit
     if args.sample:
         sampler = Sampler()
-        sampler.start()
         t0 = time.perf_counter()
+        sampler.t0 = t0
+        sampler.start()
         report = convert(src, args.work / "out", opts)
         wall = time.perf_counter() - t0
         sampler.stop.set()
         sampler.join()
         (args.out / "samples.txt").write_text(sampler.report())
+        (args.out / "timeline.txt").write_text(sampler.timeline_text())
     else:
         prof = cProfile.Profile()
         t0 = time.perf_counter()
