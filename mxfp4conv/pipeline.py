@@ -567,7 +567,6 @@ def _write_all(ckpt: Checkpoint, layout: Any, target: Target, plan: Plan,
                 wmap.update(dict.fromkeys((t.name for t in shard.tensors), shard.file))
                 if opts.partition is not None and j % opts.partition[1] != opts.partition[0]:
                     continue
-                t0 = time.perf_counter()
                 path = out_dir / shard.file
                 rec = finished.get(rel)
                 if _reuse(path, rec):
@@ -587,7 +586,6 @@ def _write_all(ckpt: Checkpoint, layout: Any, target: Target, plan: Plan,
                 fut = stream_safetensors(path, entries,
                                          _encode_shard(shard, ckpt, layout, target, rctx, opts, report, on_progress, done, total),
                                          meta, fin.budget)
-                report.seconds["write"] = report.seconds.get("write", 0.0) + time.perf_counter() - t0
                 fin.settle(PENDING_SHARDS - 1)  # earlier shards, whose hash and fsync overlapped this one's production
                 fin.pending.append((rel, fut, {k: report.requant_stats[k] for k in set(report.requant_stats) - before}))
             fin.settle()
@@ -605,7 +603,8 @@ def _write_all(ckpt: Checkpoint, layout: Any, target: Target, plan: Plan,
     except BaseException:
         fin.drain()  # never leave a writer running into a folder that is about to be removed
         raise
-    report.seconds["write"] = report.seconds.get("write", 0.0) - report.seconds.get("read", 0.0) - report.seconds.get("transform", 0.0)
+    for key, secs in fin.budget.seconds.items():
+        report.seconds[key] = report.seconds.get(key, 0.0) + secs
     report.bytes_written = done[0]
     return dict(sorted(outputs.items()))
 
@@ -635,9 +634,7 @@ class _ShardFinisher:
         """Wait for the oldest pending shards until at most ``keep`` remain."""
         while len(self.pending) > keep:
             rel, fut, stats = self.pending.pop(0)
-            t0 = time.perf_counter()
             digest = fut.result()
-            self.report.seconds["write"] = self.report.seconds.get("write", 0.0) + time.perf_counter() - t0
             self.outputs[rel] = digest
             self.mine[rel] = {"sha256": digest, "stats": stats}
             tmp = self.progress_path.with_suffix(".tmp")

@@ -200,6 +200,10 @@ def test_nvfp4_report_has_stats(srcs: dict[str, Path], tmp_path: Path) -> None:
 
     kernel = "native" if _compiler() is not None else "torch"  # CI and dev machines have a C compiler
     assert doc["compute"] == {"devices": ["cpu"], "cpu_kernel": kernel}
+    # per-stage busy seconds: every stage worked, none is negative, none outlasts the wall time
+    sec = doc["seconds"]
+    assert {"read", "transform", "write", "hash", "verify", "total"} <= set(sec)
+    assert all(0 < sec[k] <= sec["total"] for k in ("read", "transform", "write", "hash", "verify")), sec
 
 
 def test_cpu_kernel_mode_errors_are_usage_errors(srcs: dict[str, Path], tmp_path: Path,

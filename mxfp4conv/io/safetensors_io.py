@@ -21,6 +21,7 @@ import queue
 import stat
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -140,9 +141,10 @@ COPY_CHUNK = 16 << 20
 # spot. Either way the hasher thread reads the same range from the source itself. Measured in BENCHMARKS.md.
 COPY_MODE = os.environ.get("MXFP4CONV_COPY", "copy_file_range" if hasattr(os, "copy_file_range") else "readwrite")
 _NO_CFR = {errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, errno.ENOTSUP}
-# Byte-range copies are handed to the writer thread in batches of up to BATCH_SLICES
-# slices / BATCH_BYTES bytes: each hand-off costs ~40 us of thread switching, and a ct-mxfp4 rename
-# copies ~10,000 small tensors.
+# Byte-range copies, and computed buffers, are handed to the writer thread in batches of up to
+# BATCH_SLICES items / BATCH_BYTES bytes: each hand-off costs ~40 us of thread switching, a ct-mxfp4
+# rename copies ~10,000 small tensors, and a ct output has ~800 per MoE layer. BATCH_SLICES also
+# stays under the kernel's IOV_MAX (1024 buffers per writev).
 BATCH_SLICES = 256
 BATCH_BYTES = 64 << 20
 WRITEBACK_CHUNK = 16 << 20  # start the disk writeback of every 16 MiB written (see _Writeback)
@@ -365,12 +367,15 @@ def _header_bytes(entries: list[tuple[str, str, tuple[int, ...], int]],
 class InflightBudget:
     """Bytes queued for writing, shared by the shards being written at once (shards still finishing
     their hash while the next one is produced): the producer waits while the total
-    would exceed ``limit`` (one item larger than the limit is let through when nothing is queued)."""
+    would exceed ``limit`` (one item larger than the limit is let through when nothing is queued).
+    It also sums the shards' busy seconds: ``seconds["write"]`` (writer threads writing and copying)
+    and ``seconds["hash"]`` (hasher threads reading and hashing), added as each shard closes."""
 
     def __init__(self, limit: int = 1 << 30) -> None:
         self.limit = limit
         self.used = 0
         self.cond = threading.Condition()
+        self.seconds: dict[str, float] = {"write": 0.0, "hash": 0.0}
 
 
 def stream_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]]],
@@ -392,26 +397,39 @@ def stream_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]
     writer = _BackgroundWriter(path, budget or InflightBudget())
     try:
         writer.put(_header_bytes(sized, metadata))
-        batch: list[FileSlice] = []  # consecutive byte-range copies travel together (one hand-off per batch)
-        batch_bytes = 0
+        # Consecutive byte-range copies travel together, and so do consecutive computed buffers (one
+        # hand-off, one writev and one read-back per batch: a ct output has ~800 tensors per MoE layer).
+        slices: list[FileSlice] = []
+        bufs: list[bytes | memoryview] = []
+        held = 0  # bytes of the batch being gathered
         for (name, dtype, shape, nbytes), item in zip(sized, _iter_checked(data, len(sized)), strict=False):
             raw = item if isinstance(item, FileSlice) else _as_bytes(item)
             size = raw.length if isinstance(raw, FileSlice) else len(raw)
             if size != nbytes:
                 raise AssertionError(f"{name}: produced {size} bytes, planned {nbytes} ({dtype}{list(shape)})")
             if isinstance(raw, FileSlice):
-                batch.append(raw)
-                batch_bytes += raw.length
-                if len(batch) >= BATCH_SLICES or batch_bytes >= BATCH_BYTES:
-                    writer.put(tuple(batch))
-                    batch, batch_bytes = [], 0
+                if bufs:
+                    writer.put(bufs)
+                    bufs, held = [], 0
+                slices.append(raw)
+                held += size
+                if len(slices) >= BATCH_SLICES or held >= BATCH_BYTES:
+                    writer.put(tuple(slices))
+                    slices, held = [], 0
                 continue
-            if batch:
-                writer.put(tuple(batch))
-                batch, batch_bytes = [], 0
-            writer.put(raw)
-        if batch:
-            writer.put(tuple(batch))
+            if slices:
+                writer.put(tuple(slices))
+                slices, held = [], 0
+            if size:
+                bufs.append(raw)
+                held += size
+            if len(bufs) >= BATCH_SLICES or held >= BATCH_BYTES:
+                writer.put(bufs)
+                bufs, held = [], 0
+        if slices:
+            writer.put(tuple(slices))
+        if bufs:
+            writer.put(bufs)
     except BaseException:
         writer.abort()
         raise
@@ -478,12 +496,13 @@ class _BackgroundWriter:
         # source files open for the writer (0) and the hasher (1) thread, one descriptor per thread and
         # file for the shard's lifetime: a ct-mxfp4 rename copies ~10,000 small tensors
         self._fds: tuple[dict[Path, int], dict[Path, int]] = ({}, {})
-        self._wq: queue.Queue[bytes | memoryview | tuple[FileSlice, ...] | None] = queue.Queue()
+        self._wq: queue.Queue[bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | None] = queue.Queue()
         self._hq: queue.Queue[int | tuple[FileSlice, ...] | None] = queue.Queue()  # buffers by size
         self._budget = budget
         self._error: BaseException | None = None
         self._cond = threading.Condition()  # guards _written (bytes the writer has finished) and _error
         self._written = 0
+        self._busy = [0.0, 0.0]  # seconds the writer / the hasher thread worked (not waited)
         self._threads = [threading.Thread(target=self._write_loop, name="mxfp4conv-writer", daemon=True),
                          threading.Thread(target=self._hash_loop, name="mxfp4conv-hasher", daemon=True)]
         for t in self._threads:
@@ -498,18 +517,20 @@ class _BackgroundWriter:
         while (raw := self._wq.get()) is not None:
             try:
                 if self._error is None:
+                    t0 = time.perf_counter()
                     if isinstance(raw, tuple):
                         for run, parts in copy_runs(raw):
                             self._copy(run, parts)
                     else:
                         self._write(raw)
+                    self._busy[0] += time.perf_counter() - t0
                     with self._cond:
-                        self._written += sum(s.length for s in raw) if isinstance(raw, tuple) else len(raw)
+                        self._written += _size(raw)
                         self._cond.notify_all()
             except BaseException as exc:  # reported to the producer
                 self._fail(exc)
             with self._budget.cond:
-                self._budget.used -= 0 if isinstance(raw, tuple) else len(raw)
+                self._budget.used -= 0 if isinstance(raw, tuple) else _size(raw)
                 self._budget.cond.notify_all()
 
     def _hash_loop(self) -> None:
@@ -519,14 +540,18 @@ class _BackgroundWriter:
                 if self._error is not None:
                     continue  # drain to the end marker
                 if isinstance(job, tuple):
+                    t0 = time.perf_counter()
                     for src in job:
                         self._hash_range(self._source(src, 1), src.begin, src.length, src)
                         pos += src.length
+                    self._busy[1] += time.perf_counter() - t0
                     continue
                 with self._cond:  # a computed buffer: wait until it is in the file
                     while self._written < pos + job and self._error is None:
                         self._cond.wait()
+                t0 = time.perf_counter()
                 self._hash_range(self._rfd, pos, job, None)
+                self._busy[1] += time.perf_counter() - t0
                 pos += job
         except BaseException as exc:  # reported to the producer
             self._fail(exc)
@@ -567,14 +592,20 @@ class _BackgroundWriter:
                                  hint="the source changed during the conversion; restore it and rerun") from exc
         return fds[src.file]
 
-    def _write(self, raw: bytes | memoryview) -> None:
-        view = memoryview(raw)
-        while view:
-            n = self._fh.write(view)
+    def _write(self, raw: bytes | memoryview | list[bytes | memoryview]) -> None:
+        """Write one buffer, or a batch of buffers (``writev``, resumed after a short write)."""
+        views = [memoryview(raw)] if not isinstance(raw, list) else [memoryview(b) for b in raw]
+        fd = self._fh.fileno()
+        while views:
+            n = os.writev(fd, views) if len(views) > 1 else self._fh.write(views[0])
             if not n:
                 raise OSError(28, "No space left on device")
-            view = view[n:]
             self._wb.advance(n)
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if n:
+                views[0] = views[0][n:]
 
     def _copy(self, src: FileSlice, parts: tuple[FileSlice, ...] = ()) -> None:
         fd = self._source(src, 0)
@@ -611,9 +642,10 @@ class _BackgroundWriter:
         if self._error is not None:
             raise self._error
 
-    def put(self, raw: bytes | memoryview | tuple[FileSlice, ...]) -> None:
+    def put(self, raw: bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...]) -> None:
+        """Queue one buffer, a batch of buffers (a list) or a batch of byte-range copies (a tuple)."""
         self._raise()
-        size = 0 if isinstance(raw, tuple) else len(raw)  # slices hold no memory
+        size = 0 if isinstance(raw, tuple) else _size(raw)  # slices hold no memory
         b = self._budget
         with b.cond:
             while b.used and b.used + size > b.limit and self._error is None:
@@ -627,6 +659,9 @@ class _BackgroundWriter:
         self._hq.put(None)
         for t in self._threads:
             t.join()
+        with self._budget.cond:
+            self._budget.seconds["write"] += self._busy[0]
+            self._budget.seconds["hash"] += self._busy[1]
         for fds in self._fds:
             for fd in fds.values():
                 os.close(fd)
@@ -650,6 +685,15 @@ class _BackgroundWriter:
         self._join()
         with contextlib.suppress(OSError):
             self._fh.close()
+
+
+def _size(raw: bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...]) -> int:
+    """Bytes of a queued item: a buffer, a batch of buffers or a batch of copies."""
+    if isinstance(raw, tuple):
+        return sum(s.length for s in raw)
+    if isinstance(raw, list):
+        return sum(len(b) for b in raw)
+    return len(raw)
 
 
 def _iter_checked(data: Iterable[bytes | torch.Tensor | FileSlice], n: int) -> Iterator[bytes | torch.Tensor | FileSlice]:
