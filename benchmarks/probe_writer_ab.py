@@ -2,6 +2,7 @@
 in-process, alternating rounds (this machine's disk swings single runs by +-30%).
 
     python benchmarks/probe_writer_ab.py --rev b51c321 [--layout ct-mxfp4] [--target quark] [--layers 13] [--rounds 3]
+        [--device cuda]   # NVFP4 sources on the GPU (round 0 includes the kernel's compilation)
 
 The earlier ``mxfp4conv/io/safetensors_io.py`` is taken from ``git show REV:...`` and its
 ``stream_safetensors`` swapped into the pipeline for the "rev" runs; everything else is this
@@ -52,6 +53,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=13)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path("/tmp/mxfp4conv-writer-ab"))
+    ap.add_argument("--device", default="cpu", help="where NVFP4 sources are requantized (cpu, cuda)")
     ap.add_argument("--save", type=Path, default=None, help="also write the JSON lines to this file")
     args = ap.parse_args()
     writers = {"this": pl.stream_safetensors, "rev": _old_writer(args.rev)}
@@ -66,9 +68,11 @@ def main() -> None:
             subprocess.run(["sync"], check=True)
             pl.stream_safetensors = writers[name]  # type: ignore[assignment]
             t = time.perf_counter()
-            convert(src, out, ConvertOptions(target=args.target, verify=False))
+            rep = convert(src, out, ConvertOptions(target=args.target, verify=False, device=args.device))
             doc = {"round": rnd, "writer": name if name == "this" else f"rev {args.rev}", "layout": args.layout,
-                   "target": args.target, "layers": args.layers, "wall_s": round(time.perf_counter() - t, 2)}
+                   "target": args.target, "layers": args.layers, "device": args.device,
+                   "wall_s": round(time.perf_counter() - t, 2),
+                   "seconds": {k: round(v, 2) for k, v in rep.seconds.items()}}
             print(json.dumps(doc), flush=True)
             lines.append(json.dumps(doc))
     pl.stream_safetensors = writers["this"]  # type: ignore[assignment]
