@@ -32,8 +32,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _old_writer(rev: str):  # type: ignore[no-untyped-def]
-    code = subprocess.run(["git", "show", f"{rev}:mxfp4conv/io/safetensors_io.py"], cwd=ROOT, check=True,
-                          capture_output=True, text=True).stdout
+    """``rev``: a commit, or a file holding that commit's safetensors_io.py (for machines without the
+    git history, e.g. ``git show REV:mxfp4conv/io/safetensors_io.py > old.py`` carried along)."""
+    if Path(rev).is_file():
+        code = Path(rev).read_text()
+    else:
+        code = subprocess.run(["git", "show", f"{rev}:mxfp4conv/io/safetensors_io.py"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp()) / "old_safetensors_io.py"
     path.write_text(code)
     spec = importlib.util.spec_from_file_location("old_safetensors_io", path)

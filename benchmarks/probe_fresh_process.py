@@ -1,0 +1,82 @@
+"""Why a conversion in a fresh process is slower than the same conversion repeated in a warm one.
+
+    PYTHONPATH=. python3 benchmarks/probe_fresh_process.py OUT_DIR [--layers 24] [--device cuda]
+
+Each case runs in its own Python process on the same generated ModelOpt NVFP4 checkpoint (warm page
+cache), alternating, and reports the in-process conversion seconds:
+  fresh       one conversion in a new process (what the CLI does);
+  pinned      the process first allocates and frees 4 GiB of page-locked host memory (torch's caching
+              host allocator keeps it), then converts: isolates the cost of pinning memory;
+  cuda_init   the process first initializes CUDA (a tiny tensor on the device), then converts;
+  second      the process converts twice; the second conversion's seconds.
+One JSON line per run (also OUT_DIR/probe_fresh_process.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CHILD = r"""
+import json, shutil, sys, time
+import torch
+from mxfp4conv.pipeline import ConvertOptions, convert
+src, out, case, device = sys.argv[1:5]
+pre = 0.0
+t = time.perf_counter()
+if case == "pinned":
+    bufs = [torch.empty(1 << 28, dtype=torch.uint8, pin_memory=True) for _ in range(16)]
+    del bufs
+if case == "cuda_init":
+    torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+pre = time.perf_counter() - t
+runs = 2 if case == "second" else 1
+for i in range(runs):
+    shutil.rmtree(out, ignore_errors=True)
+    t = time.perf_counter()
+    rep = convert(src, out, ConvertOptions(target="ct", device=device, verify=False))
+    wall = time.perf_counter() - t
+print(json.dumps({"case": case, "before_s": round(pre, 2), "convert_s": round(wall, 2),
+                  "seconds": {k: round(v, 2) for k, v in rep.seconds.items()}}))
+"""
+
+
+def main() -> None:
+    from gen_checkpoint import generate, warm
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/fresh"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(args.work, ignore_errors=True)
+    src = generate(args.work / "src", "modelopt-nvfp4", args.layers)
+    warm(src)
+    log = open(args.out / "probe_fresh_process.jsonl", "w")  # noqa: SIM115
+    cases = ["fresh", "pinned", "cuda_init", "second"]
+    # one throw-away conversion first: a machine whose Triton cache is cold compiles here
+    subprocess.run([sys.executable, "-c", CHILD, str(src), str(args.work / "out"), "fresh", args.device],
+                   check=True, capture_output=True)
+    for rnd in range(args.rounds):
+        for case in cases:
+            subprocess.run(["sync"], check=True)
+            res = subprocess.run([sys.executable, "-c", CHILD, str(src), str(args.work / "out"), case, args.device],
+                                 check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+            doc = {"round": rnd, "layers": args.layers, "date": time.strftime("%Y-%m-%d"), **json.loads(res)}
+            print(json.dumps(doc), flush=True)
+            log.write(json.dumps(doc) + "\n")
+    shutil.rmtree(args.work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
