@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--to", default="ct")
+    ap.add_argument("--layout", default="modelopt-nvfp4", help="source layout to generate (ct-mxfp4 / gpt-oss: a lossless rename)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/prof"))
     ap.add_argument("--sample", action="store_true", help="sample every thread instead of cProfile")
     ap.add_argument("--keep-src", action="store_true", help="reuse WORK/src if it is there, and keep it afterwards")
@@ -111,7 +112,7 @@ def main() -> None:
     else:
         shutil.rmtree(args.work, ignore_errors=True)
         args.work.mkdir(parents=True)
-        src = generate(args.work / "src", "modelopt-nvfp4", args.layers)
+        src = generate(args.work / "src", args.layout, args.layers)
     size = warm(src)
     opts = ConvertOptions(target=args.to, device=args.device, verify=False)
     if args.pageable_output:

@@ -3,6 +3,7 @@ in-process, alternating rounds (this machine's disk swings single runs by +-30%)
 
     python benchmarks/probe_writer_ab.py --rev b51c321 [--layout ct-mxfp4] [--target quark] [--layers 13] [--rounds 3]
         [--device cuda]   # NVFP4 sources on the GPU (round 0 includes the kernel's compilation)
+        [--cold]          # drop the page cache before every run (root only)
 
 The earlier ``mxfp4conv/io/safetensors_io.py`` is taken from ``git show REV:...`` and its
 ``stream_safetensors`` swapped into the pipeline for the "rev" runs; everything else is this
@@ -59,6 +60,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path("/tmp/mxfp4conv-writer-ab"))
     ap.add_argument("--device", default="cpu", help="where NVFP4 sources are requantized (cpu, cuda)")
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before every run (needs root)")
     ap.add_argument("--save", type=Path, default=None, help="also write the JSON lines to this file")
     args = ap.parse_args()
     writers = {"this": pl.stream_safetensors, "rev": _old_writer(args.rev)}
@@ -71,11 +73,13 @@ def main() -> None:
             out = args.work / "out"
             shutil.rmtree(out, ignore_errors=True)
             subprocess.run(["sync"], check=True)
+            if args.cold:
+                Path("/proc/sys/vm/drop_caches").write_text("3\n")
             pl.stream_safetensors = writers[name]  # type: ignore[assignment]
             t = time.perf_counter()
             rep = convert(src, out, ConvertOptions(target=args.target, verify=False, device=args.device))
             doc = {"round": rnd, "writer": name if name == "this" else f"rev {args.rev}", "layout": args.layout,
-                   "target": args.target, "layers": args.layers, "device": args.device,
+                   "target": args.target, "layers": args.layers, "device": args.device, "cache": "cold" if args.cold else "warm",
                    "wall_s": round(time.perf_counter() - t, 2),
                    "seconds": {k: round(v, 2) for k, v in rep.seconds.items()}}
             print(json.dumps(doc), flush=True)

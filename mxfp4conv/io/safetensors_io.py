@@ -541,6 +541,7 @@ class _BackgroundWriter:
                     continue  # drain to the end marker
                 if isinstance(job, tuple):
                     t0 = time.perf_counter()
+                    self._will_need(job)
                     for src in job:
                         self._hash_range(self._source(src, 1), src.begin, src.length, src)
                         pos += src.length
@@ -557,6 +558,16 @@ class _BackgroundWriter:
             self._fail(exc)
             while self._hq.get() is not None:
                 pass
+
+    def _will_need(self, job: tuple[FileSlice, ...]) -> None:
+        """Ask the kernel to start reading a batch's source ranges now (``POSIX_FADV_WILLNEED``: an
+        asynchronous readahead of up to BATCH_BYTES), so a cold source is read with many requests in
+        flight rather than one chunk at a time; a no-op for cached pages and where unsupported."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for run, _ in copy_runs(job):
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(self._source(run, 1), run.begin, run.length, os.POSIX_FADV_WILLNEED)
 
     def _hash_range(self, fd: int, pos: int, left: int, src: FileSlice | None) -> None:
         """Hash ``left`` bytes of ``fd`` from ``pos``: a copied slice's source range (``src``), or the
