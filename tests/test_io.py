@@ -231,7 +231,7 @@ def test_a_lagging_hasher_never_holds_back_the_producer(tmp_path: Path, monkeypa
         real(self, chunk)
 
     monkeypatch.setattr(sio._BackgroundWriter, "_hash_chunk", stalled)
-    monkeypatch.setattr(sio, "COPY_CHUNK", 4096)  # the hasher reads the 1 MB shard in many chunks
+    monkeypatch.setattr(sio, "HASH_CHUNK", 4096)  # the hasher reads the 1 MB shard in many chunks
     t = _tensors(5)
     entries = [(n, sio.st_dtype(v.dtype), tuple(v.shape)) for n, v in t.items()]
     path = tmp_path / "x.safetensors"
