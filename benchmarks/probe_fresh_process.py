@@ -57,13 +57,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--work", type=Path, default=Path("/tmp/fresh"))
+    ap.add_argument("--cases", default="fresh,pinned,cuda_init,second", help="which cases (pinned, cuda_init need CUDA)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(args.work, ignore_errors=True)
     src = generate(args.work / "src", "modelopt-nvfp4", args.layers)
     warm(src)
     log = open(args.out / "probe_fresh_process.jsonl", "w")  # noqa: SIM115
-    cases = ["fresh", "pinned", "cuda_init", "second"]
+    cases = args.cases.split(",")
     # one throw-away conversion first: a machine whose Triton cache is cold compiles here
     subprocess.run([sys.executable, "-c", CHILD, str(src), str(args.work / "out"), "fresh", args.device],
                    check=True, capture_output=True)
