@@ -157,7 +157,7 @@ def convert_on_ray(src: str | Path, dst: str | Path, opts: ConvertOptions, addre
             ray.shutdown()  # never leave the driver connected
     fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(ConvertReport)}
     out = RayConvertReport(**fields)
-    for key in ("read", "transform", "write"):  # summed over tasks: processor seconds, not wall time
+    for key in ("read", "transform", "write", "hash"):  # summed over tasks: busy seconds, not wall time
         out.seconds[key] = out.seconds.get(key, 0.0) + sum(r["seconds"].get(key, 0.0) for r in results)
     out.seconds["tasks"] = t_tasks
     out.seconds["total"] = time.perf_counter() - t_start

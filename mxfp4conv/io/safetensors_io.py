@@ -565,7 +565,7 @@ class _BackgroundWriter:
     def _will_need(self, job: tuple[FileSlice, ...]) -> None:
         """Ask the kernel to start reading a batch's source ranges now (``POSIX_FADV_WILLNEED``: an
         asynchronous readahead of up to BATCH_BYTES), so a cold source is read with many requests in
-        flight rather than one chunk at a time; a no-op for cached pages and where unsupported."""
+        flight rather than one chunk at a time; cheap for cached pages, skipped where unsupported."""
         if not hasattr(os, "posix_fadvise"):
             return
         for run, _ in copy_runs(job):
