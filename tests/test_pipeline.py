@@ -425,3 +425,16 @@ def test_problem_lines_print_brackets_as_written(tmp_path: Path, monkeypatch: py
     code, out, err = run("inspect", str(src), "--json")
     assert code == 1 and json.loads(out)["problems"]
     assert "problem: a[b].safetensors: w.[bold]x[/]: bad [i]y" in err, err
+
+
+def test_human_summary_names_the_busiest_stage(srcs: dict[str, Path], tmp_path: Path) -> None:
+    """Without --json, the summary on stderr lists each stage's busy seconds (NVFP4 source: every
+    stage worked) and ends with the verified result."""
+    code, out, err = run("convert", str(srcs["ct-nvfp4"]), str(tmp_path / "o"), "--to", "ct", "--device", "cpu")
+    assert code == 0, err
+    assert out == ""
+    line = next(x for x in err.splitlines() if x.startswith("busy seconds per stage"))
+    stages = dict(part.rsplit(" ", 1) for part in line.split(": ", 1)[1].split(", "))
+    assert {"read", "transform", "write", "hash", "verify"} <= set(stages)
+    assert all(float(v) >= 0 for v in stages.values())
+    assert "verified" in err.splitlines()[-1]
