@@ -9,7 +9,9 @@ cache), alternating, and reports the in-process conversion seconds:
               host allocator keeps it), then converts: isolates the cost of pinning memory;
   cuda_init   the process first initializes CUDA (a tiny tensor on the device), then converts;
   second      the process converts twice; the second conversion's seconds.
-One JSON line per run (also OUT_DIR/probe_fresh_process.jsonl).
+One JSON line per run (also OUT_DIR/probe_fresh_process.jsonl), with ``steps_s``: seconds spent in
+the steps of the units' read and transform (validation, the requant driver, encoding), summed over
+threads, so a step that is slower in a fresh process shows up.
 """
 
 from __future__ import annotations
@@ -25,10 +27,30 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CHILD = r"""
-import json, shutil, sys, time
+import functools, importlib, json, shutil, sys, time
 import torch
 from mxfp4conv.pipeline import ConvertOptions, convert
 src, out, case, device = sys.argv[1:5]
+# seconds inside the steps of a unit's read and transform (summed over threads and units)
+FN = {}
+def timed(mod, name):
+    m = importlib.import_module(mod)
+    if not hasattr(m, name):
+        return
+    f = getattr(m, name)
+    @functools.wraps(f)
+    def w(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            FN[name] = FN.get(name, 0.0) + time.perf_counter() - t
+    setattr(m, name, w)
+for mod, name in [("mxfp4conv.requant", "validate_nvfp4_scales"), ("mxfp4conv.requant", "requant_rows_cpu"),
+                  ("mxfp4conv.kernels.requant_triton", "requant_nvfp4_gpu_chunks"),
+                  ("mxfp4conv.pipeline", "_validate_mx"), ("mxfp4conv.layouts.base", "_stack_into"),
+                  ("mxfp4conv.io.safetensors_io", "_as_bytes"), ("mxfp4conv.pipeline", "to_mxfp4")]:
+    timed(mod, name)
 pre = 0.0
 t = time.perf_counter()
 if case == "pinned":
@@ -41,10 +63,12 @@ runs = 2 if case == "second" else 1
 for i in range(runs):
     shutil.rmtree(out, ignore_errors=True)
     t = time.perf_counter()
+    FN.clear()
     rep = convert(src, out, ConvertOptions(target="ct", device=device, verify=False))
     wall = time.perf_counter() - t
 print(json.dumps({"case": case, "before_s": round(pre, 2), "convert_s": round(wall, 2),
-                  "seconds": {k: round(v, 2) for k, v in rep.seconds.items()}}))
+                  "seconds": {k: round(v, 2) for k, v in rep.seconds.items()},
+                  "steps_s": {k: round(v, 2) for k, v in sorted(FN.items())}}))
 """
 
 
