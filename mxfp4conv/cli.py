@@ -284,7 +284,8 @@ def _render_convert(doc: dict[str, Any]) -> None:
         sec = doc["seconds"]
         busy = ", ".join(f"{k} {sec[k]:.1f}" for k in ("read", "transform", "write", "hash", "verify") if sec.get(k))
         if busy:
-            _err.print(f"busy seconds per stage (they overlap; the largest bounds the run): {busy}")
+            _err.print(f"busy seconds per stage (read, transform, write and hash overlap, the largest bounds the "
+                       f"conversion; verify runs after): {busy}")
         _err.print(f"[green]done:[/] {_safe(doc['destination'])} ({doc['bytes_written']:,} bytes, "
                    f"{doc['seconds'].get('total', 0):.1f} s)" + (", verified" if v and v.get("ok") else ", NOT verified"),
                    markup=True)

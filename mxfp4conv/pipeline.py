@@ -263,8 +263,9 @@ def _read_ahead(sizes: list[int], limit: int) -> list[int]:
     """The single-device read-ahead schedule: for each unit i, how many units (from the first) have
     been submitted for reading once i is the current one. Always i + 1, and more while the bytes of
     the submitted units beyond i stay within ``limit``. ``sizes`` are the bytes a unit's read holds in
-    memory: 0 for units whose bytes the writer copies straight from the source (nothing is read), so a run of small pass-through units between two MoE layers does not keep the next layer
-    from being read while this one is transformed."""
+    memory: 0 for units whose bytes the writer copies straight from the source (nothing is read), so
+    a run of small pass-through units between two MoE layers does not keep the next layer from being
+    read while this one is transformed."""
     upto: list[int] = []
     nxt = 0
     queued = 0  # bytes of the units submitted beyond the current one: sizes[i + 1:nxt]
