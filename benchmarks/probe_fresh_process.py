@@ -8,10 +8,13 @@ cache), alternating, and reports the in-process conversion seconds:
   pinned      the process first allocates and frees 4 GiB of page-locked host memory (torch's caching
               host allocator keeps it), then converts: isolates the cost of pinning memory;
   cuda_init   the process first initializes CUDA (a tiny tensor on the device), then converts;
-  second      the process converts twice; the second conversion's seconds.
+  second      the process converts twice; the second conversion's seconds;
+  hostregN    torch's host allocator pins with malloc + cudaHostRegister from N threads (8 if no N).
 One JSON line per run (also OUT_DIR/probe_fresh_process.jsonl), with ``steps_s``: seconds spent in
 the steps of the units' read and transform (validation, the requant driver, encoding), summed over
-threads, so a step that is slower in a fresh process shows up.
+threads, so a step that is slower in a fresh process shows up, and ``host``: torch's pinned host
+allocator's peak bytes, number of blocks it pinned and microseconds it spent pinning (where torch
+reports them).
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ if case == "pinned":
     del bufs
 if case == "cuda_init":
     torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+if case.startswith("hostreg"):  # torch's host allocator: malloc + cudaHostRegister from N threads
+    torch.cuda.memory._set_allocator_settings(
+        f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{case[7:] or 8}")
 pre = time.perf_counter() - t
 runs = 2 if case == "second" else 1
 for i in range(runs):
@@ -66,7 +72,14 @@ for i in range(runs):
     FN.clear()
     rep = convert(src, out, ConvertOptions(target="ct", device=device, verify=False))
     wall = time.perf_counter() - t
-print(json.dumps({"case": case, "before_s": round(pre, 2), "convert_s": round(wall, 2),
+def host_stats():
+    try:
+        st = torch.cuda.memory.host_memory_stats()
+    except Exception as e:  # older torch
+        return {"error": type(e).__name__}
+    keys = ("allocated_bytes.peak", "allocated_bytes.current", "num_host_alloc", "host_alloc_time.total")
+    return {k: st.get(k) for k in keys}
+print(json.dumps({"case": case, "host": host_stats(), "before_s": round(pre, 2), "convert_s": round(wall, 2),
                   "seconds": {k: round(v, 2) for k, v in rep.seconds.items()},
                   "steps_s": {k: round(v, 2) for k, v in sorted(FN.items())}}))
 """

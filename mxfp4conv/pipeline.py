@@ -29,6 +29,7 @@ from mxfp4conv.errors import InputError, OutputError, UsageError
 from mxfp4conv.inspect import SCHEMA_VERSION, analyze, writer_context
 from mxfp4conv.io.atomic import check_destination, publish, remove_tree, staging_path
 from mxfp4conv.io.checkpoint import PICKLE_SUFFIXES, Checkpoint, open_checkpoint
+from mxfp4conv.io.pinned import use_fast_pinning
 from mxfp4conv.io.safetensors_io import FileSlice, InflightBudget, st_dtype, stream_safetensors
 from mxfp4conv.layouts.base import Plan
 from mxfp4conv.writers import OutTensor, Target, WriterContext, get_target, resolve_auto
@@ -198,6 +199,8 @@ def _read(spec: UnitSpec, ckpt: Checkpoint, layout: Any, target: Target, ctx: Wr
         import torch
 
         pin = torch.cuda.is_available()
+        if pin:
+            use_fast_pinning()
     return layout.read(ckpt, spec, pin=pin), time.perf_counter() - t0
 
 

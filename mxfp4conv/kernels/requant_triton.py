@@ -21,6 +21,8 @@ from types import ModuleType
 
 import torch
 
+from mxfp4conv.io.pinned import use_fast_pinning
+
 __all__ = [
     "KernelConfig",
     "auto_num_warps",
@@ -322,6 +324,7 @@ def requant_nvfp4_gpu_chunks(
             f"global_rows {tuple(global_rows.shape)}"
         )
     dev = torch.device(device)
+    use_fast_pinning()  # before this process pins its first bytes (the staging and output buffers)
     if out is not None:
         out_p, out_s, out_st = (_flat_rows(t, 1) for t in out)
         if (tuple(out_p.shape), tuple(out_s.shape), tuple(out_st.shape)) != (
