@@ -135,9 +135,13 @@ class FileSlice:
 
 
 COPY_CHUNK = 16 << 20
-# The hasher reads in chunks that stay in a core's L2 cache between the pread and the sha256 (1 MiB:
-# +3% (2 GB file) to +6% (4 GB) hash throughput against 16 MiB on the dev VM, benchmarks/probe_hash_chunk.py).
-HASH_CHUNK = 1 << 20
+# The hasher's read size. Each pread and each sha256 call gives the GIL back, and taking it back waits
+# up to the switch interval (5 ms) while the producer runs Python (the GPU path's readers and
+# encoder), so small chunks collapse under contention: 1 MiB hashed at 1.25 GB/s alone but 0.09 GB/s
+# beside a Python-busy thread, 16 MiB at 0.74-1.12 and 0.65 (benchmarks/probe_hash_gil.py, dev VM).
+# 1 MiB was the default for one session (+3-6% alone, probe_hash_chunk.py); the H200 pipeline's
+# hash seconds then rose from 17.2 to 22-26 s at 48 layers.
+HASH_CHUNK = 16 << 20
 # How the writer thread copies a source byte range: "copy_file_range" (kernel-side, the default where
 # Python has it: Linux), or "readwrite" (pread into a reused buffer, then write). A filesystem pair
 # that refuses copy_file_range (EXDEV, EINVAL, EOPNOTSUPP, ENOSYS) falls back to read/write on the
