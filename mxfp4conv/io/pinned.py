@@ -6,7 +6,7 @@ them first, ~3 GB at 24 layers of a Qwen3-30B-like model. By default torch pins 
 ``cudaHostAlloc``, ~2 GB/s on the H200 host and no faster from several threads; torch can instead
 ``malloc`` and ``cudaHostRegister`` the pages from N threads, 5-7 GB/s there
 (``benchmarks/probe_pinning.py``). A fresh 24-layer conversion spent 1.7 s pinning before and
-0.6 s after (``benchmarks/probe_fresh_process.py``; BENCHMARKS.md, seventh session).
+0.6 s with 8 register threads (``benchmarks/probe_fresh_process.py``; BENCHMARKS.md, seventh session).
 """
 
 from __future__ import annotations
