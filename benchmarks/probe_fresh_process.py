@@ -51,6 +51,7 @@ def timed(mod, name):
     setattr(m, name, w)
 for mod, name in [("mxfp4conv.requant", "validate_nvfp4_scales"), ("mxfp4conv.requant", "requant_rows_cpu"),
                   ("mxfp4conv.kernels.requant_triton", "requant_nvfp4_gpu_chunks"),
+                  ("mxfp4conv.kernels.requant_triton", "requant_rows_into"),  # kernel launches (+ first loads)
                   ("mxfp4conv.pipeline", "_validate_mx"), ("mxfp4conv.layouts.base", "_stack_into"),
                   ("mxfp4conv.io.safetensors_io", "_as_bytes"), ("mxfp4conv.pipeline", "to_mxfp4")]:
     timed(mod, name)
