@@ -219,6 +219,7 @@ _CODE_LUT[[252, 254, 255, 256, 257, 258, 259]] = torch.arange(1, 8, dtype=torch.
 _EXPS = range(-127, 128)
 _INV32 = torch.tensor([2.0**-e for e in _EXPS], dtype=torch.float32)  # 2^-e (2^-127: subnormal)
 _SQ64 = torch.tensor([4.0**e for e in _EXPS], dtype=torch.float64)  # 4^e
+_POW64 = torch.tensor([2.0**e for e in _EXPS], dtype=torch.float64)  # 2^e
 _SIX32 = torch.tensor([6.0 * 2.0**e for e in _EXPS], dtype=torch.float32)  # 6 * 2^e; inf above 2^128
 _COFF = torch.tensor([(22 - e) << 23 for e in _EXPS], dtype=torch.int32)  # c's exponent offset
 
@@ -241,36 +242,56 @@ class _Workspace:
 
 def _cand_tab(
     at: torch.Tensor, ebits: torch.Tensor, eb: torch.Tensor, ws: _Workspace, tag: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tables [nb, 16] for scale bytes eb = e + 127 [nb] (int32): grid magnitudes r (float32) and
-    u = (q - r)^2 (float64), with q = |x| * 2^-e; the squared error of an entry is 4^e * u.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tables [nb, 16] for scale bytes eb = e + 127 [nb] (int32), float32: q = |x| * 2^-e, its grid
+    magnitude r and d = q - r (the scaled domain: an entry's error is 2^e * d).
 
     Rounding: adding and subtracting ``c = 2^(max(floor(log2 q), 0) + 22)``, whose ulp is the E2M1
     step of q's binade, rounds q to the grid with ties to even (then saturate at 6). ``ebits`` is
     |x|'s exponent field (bits & 0x7F800000), so c's bits are ``ebits + (22 - e) << 23``, floored
     at 2^22. Exactness: q is exact (a power-of-two scaling; every nonzero |x| of an NVFP4 32-block is
-    >= amax * 2^-22, so q never drops into float32's subnormal range with bits lost), q - r is exact
-    (Sterbenz: r is 0 or in [q/2, 2q]), and its float64 square is exact.
+    >= amax * 2^-22, so q never drops into float32's subnormal range with bits lost), and q - r is
+    exact (Sterbenz: r is 0 or in [q/2, 2q]).
     """
     shape = tuple(at.shape)
-    q = torch.mul(at, _INV32.index_select(0, eb)[:, None], out=ws("q", shape, torch.float32))
+    q = torch.mul(at, _INV32.index_select(0, eb)[:, None], out=ws("q" + tag, shape, torch.float32))
     c = torch.add(ebits, _COFF.index_select(0, eb)[:, None], out=ws("c", shape, torch.int32))
     cf = c.clamp_(min=(127 + 22) << 23).view(torch.float32)
     r = torch.add(q, cf, out=ws("r" + tag, shape, torch.float32)).sub_(cf).clamp_(max=F4_E2M1_MAX)
-    u = ws("u" + tag, shape, torch.float64).copy_(q.sub_(r))
-    return r, u.mul_(u)
+    d = torch.sub(q, r, out=ws("d" + tag, shape, torch.float32))
+    return q, r, d
 
 
-def _fold(tab: torch.Tensor, cnt: torch.Tensor, ws: _Workspace, tag: str) -> torch.Tensor:
-    """Block sums of a table [nb, 16] weighted by its element counts [nb, 16] (float64): the exact
-    products ``n * t`` added in group order 0..15 (CPU cumsum is a left-to-right scan)."""
-    terms = torch.mul(tab, cnt, out=ws("t" + tag, tuple(tab.shape), torch.float64))
-    return torch.cumsum(terms, 1, out=ws("cs", tuple(tab.shape), torch.float64))[:, -1].clone()
+def _fold32(tab: torch.Tensor, cnt: torch.Tensor, ws: _Workspace, tag: str) -> torch.Tensor:
+    """Float32 block sums of a float32 table [nb, 16] (squared, then weighted by its element counts
+    [nb, 16], float32): ``acc = RN(acc + RN(n * RN(t * t)))`` in group order 0..15 over the entries
+    that occur (NUMERICS.md "Block statistics"; the others' t * t can overflow). Not cumsum: torch's
+    CPU cumsum of float32 accumulates in float64."""
+    terms = torch.mul(tab, tab, out=ws("t" + tag, tuple(tab.shape), torch.float32))
+    terms.masked_fill_(cnt == 0, 0.0).mul_(cnt)
+    acc = terms[:, 0].clone()
+    for t in range(1, terms.shape[1]):
+        acc += terms[:, t]
+    return acc
 
 
 def _present_max(tab: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
     """Per block, the max of the table entries [nb, 16] that occur (tab >= 0)."""
     return torch.where(present, tab, 0.0).amax(1)
+
+
+def _mse_pick(
+    qb: torch.Tensor, ra: torch.Tensor, rb: torch.Tensor, cnt: torch.Tensor, ws: _Workspace
+) -> torch.Tensor:
+    """``mse_prefers_lower`` on [nb, 16] tables with element counts: the exact float64 difference
+    ``sum n (A - B)(2u - A - B)`` (u = qb, A = 2 ra, B = rb) is < 0. Every term and partial sum is
+    exact, so the order of the sum is free."""
+    shape = tuple(qb.shape)
+    f64 = torch.float64
+    a = ws("ma", shape, f64).copy_(ra).mul_(2.0)
+    b = ws("mb", shape, f64).copy_(rb)
+    v = ws("mv", shape, f64).copy_(qb).mul_(2.0).sub_(a).sub_(b)  # 2u - A - B, exact
+    return a.sub_(b).mul_(v).mul_(cnt).sum(1) < 0
 
 
 def _slab(
@@ -303,29 +324,28 @@ def _slab(
     torch.add(base, hi, out=idx[..., 1])
     flat = idx.view(-1)
     counts = torch.bincount(flat, minlength=nb * 16).view(nb, 16)  # elements per (block, group)
-    cnt = ws("cnt", (nb, 16), f64).copy_(counts)
+    cnt = ws("cnt", (nb, 16), f32).copy_(counts)
     present = counts != 0
-    a64 = ws("a64", (nb, 16), f64).copy_(at)
     if rule is ScaleRule.MSE:
         er = rceil_exponent(amax) + 127  # scale bytes of the two candidates, clamped; zero blocks 127
         ea = torch.where(zero, 127, er.clamp(0, 254))
         eb = torch.where(zero, 127, (er - 1).clamp_(0, 254))
-        ra, ua = _cand_tab(at, ebits, ea, ws, "a")
-        rb, ub = _cand_tab(at, ebits, eb, ws, "b")
-        sa, sb = _SQ64.index_select(0, ea), _SQ64.index_select(0, eb)  # 4^e commutes with rounding
-        err_a = _fold(ua, cnt, ws, "a").mul_(sa)
-        err_b = _fold(ub, cnt, ws, "b").mul_(sb)
-        pick = err_b < err_a
+        qa, ra, da = _cand_tab(at, ebits, ea, ws, "a")
+        qb, rb, db = _cand_tab(at, ebits, eb, ws, "b")
+        pick = _mse_pick(qb, ra, rb, ws("cn64", (nb, 16), f64).copy_(cnt), ws) & (eb != ea)
         e = torch.where(pick, eb, ea)
-        err = torch.where(pick, err_b, err_a)
-        mx = torch.where(pick, _present_max(ub, present).mul_(sb), _present_max(ua, present).mul_(sa))
-        rtab = torch.where(pick[:, None], rb, ra, out=ws("rt", (nb, 16), f32))
+        p2 = pick[:, None]
+        err = torch.where(pick, _fold32(db, cnt, ws, "b"), _fold32(da, cnt, ws, "a"))
+        dtab = torch.where(p2, db, da)
+        qtab = torch.where(p2, qb, qa)
+        rtab = torch.where(p2, rb, ra, out=ws("rt", (nb, 16), f32))
     else:
         e = scale_exponent(amax, rule) + 127
-        rtab, u = _cand_tab(at, ebits, e, ws, "a")
-        s4 = _SQ64.index_select(0, e)
-        err, mx = _fold(u, cnt, ws, "a").mul_(s4), _present_max(u, present).mul_(s4)
-    sig = _fold(a64.mul_(a64), cnt, ws, "s")
+        qtab, rtab, dtab = _cand_tab(at, ebits, e, ws, "a")
+        err = _fold32(dtab, cnt, ws, "a")
+    sig = _fold32(qtab, cnt, ws, "s")
+    mx = _present_max(dtab.abs(), present)
+    s4 = _SQ64.index_select(0, e)
     key = torch.bitwise_right_shift(rtab.view(i32), 22, out=ws("c", (nb, 16), i32))
     ctab = torch.index_select(_CODE_LUT, 0, key.view(-1), out=ws("ct", (nb * 16,), u8))
     codes = torch.index_select(ctab, 0, flat, out=ws("co", (nb * 32,), u8)).view(nb16, 8, 2)
@@ -341,10 +361,13 @@ def _slab(
     nbr = nb // r
     out[2].copy_(
         _row_stats(
-            err.view(r, nbr), sig.view(r, nbr), mx.view(r, nbr), clipped.view(r, nbr), (err == 0).view(r, nbr)
+            err.double().mul_(s4).view(r, nbr),
+            sig.double().mul_(s4).view(r, nbr),
+            mx.double().mul_(_POW64.index_select(0, e)).view(r, nbr),
+            clipped.view(r, nbr),
+            (mx == 0).view(r, nbr),
         )
     )
-    out[2][:, 2].sqrt_()  # sqrt(fl(d*d)) == |d| in binary floating point
 
 
 @contextmanager

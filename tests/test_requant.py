@@ -72,6 +72,31 @@ def adversarial_nvfp4(divisor: bool) -> tuple[torch.Tensor, torch.Tensor, torch.
     return packed[ok], sc[ok].view(torch.float8_e4m3fn), g[ok]
 
 
+def mse_near_tie_nvfp4(divisor: bool, r: int = 64, k: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """32-blocks whose two MSE candidates' exact squared errors tie with nonzero per-entry terms, or
+    differ by ~2^-18 .. 2^-21 of those terms, in both directions: one half holds a single 4 * s (code
+    6, s = 1) and the other sixteen 0.5 * s (code 1, s = 0.5), so under RCEIL - 1 the maximum loses
+    exactly what the small values gain; the second-level scale 2^k * (1 + delta) tips the balance by
+    ~24 * delta. The GPU kernel decides most blocks from float32 sums and must fall back to the exact
+    comparison exactly for these."""
+    gen = torch.Generator().manual_seed(11)
+    nb = k // 32
+    blk = torch.zeros(r, nb, 32, dtype=torch.uint8)
+    blk.scatter_(2, torch.randint(0, 16, (r, nb, 1), generator=gen), 6)
+    blk[..., 16:] = 1
+    sc = torch.tensor([0x38, 0x30], dtype=torch.uint8).repeat(r, nb)  # 1.0, 0.5 per half
+    swap = torch.rand(r, nb, generator=gen) < 0.5  # the small half first in some blocks
+    blk = torch.where(swap[..., None], blk.roll(16, 2), blk)
+    sc = torch.where(swap.repeat_interleave(2, 1), sc.view(r, nb, 2).flip(2).reshape(r, 2 * nb), sc)
+    codes = blk.reshape(r, k) | ((torch.rand(r, k, generator=gen) < 0.5).to(torch.uint8) << 3)
+    deltas = [0.0, 2.0**-20, -(2.0**-20), 2.0**-22, -(2.0**-22), 2.0**-23, -(2.0**-23), 3 * 2.0**-21]
+    g64 = torch.tensor([1.0 + deltas[i % len(deltas)] for i in range(r)], dtype=torch.float64)
+    g64 = g64 * 2.0 ** torch.randint(-20, 20, (r,), generator=gen).double()
+    g = (1.0 / g64 if divisor else g64).float()
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed, sc.view(torch.float8_e4m3fn), g
+
+
 @contextmanager
 def cpu_kernel(mode: str) -> Iterator[None]:
     """Run ``requant_rows_cpu`` with ``MXFP4CONV_CPU_KERNEL=mode`` (native: the compiled kernel,
@@ -117,6 +142,47 @@ def test_cpu_fast_path_matches_composition(rule: ScaleRule, divisor: bool) -> No
         fast = both_cpu_paths(*data, divisor, rule)
         ref = requant_rows_reference(*data, divisor, rule)
         assert_same(fast, ref)
+
+
+@pytest.mark.parametrize("divisor", [False, True], ids=["modelopt", "ct"])
+def test_mse_near_ties_are_decided_exactly(divisor: bool) -> None:
+    """On blocks whose candidates (nearly) tie, both CPU paths pick exactly the exponent whose exact
+    squared error (Fractions, independent of the library) is lower, RCEIL on a tie; the data really
+    holds exact ties with nonzero terms and near-ties of both signs."""
+    from fractions import Fraction
+
+    from mxfp4conv.formats.nvfp4 import dequantize_nvfp4
+
+    packed, sc, g = mse_near_tie_nvfp4(divisor)
+    _, scales, _ = both_cpu_paths(packed, sc, g, divisor, ScaleRule.MSE)
+    assert_same(both_cpu_paths(packed, sc, g, divisor, ScaleRule.MSE),
+                requant_rows_reference(packed, sc, g, divisor, ScaleRule.MSE))  # fmt: skip
+    x = dequantize_nvfp4(packed, sc, g, divisor=divisor).view(packed.shape[0], -1, 32)
+    grid = [Fraction(v) for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)]
+    kinds = {"tie": 0, "lower by < 2^-17": 0, "higher by < 2^-17": 0}
+
+    def err(vals: list[Fraction], e: int) -> Fraction:
+        s2 = Fraction(2) ** e
+        total = Fraction(0)
+        for v in vals:
+            q = v / s2
+            r = min(grid, key=lambda c: (abs(q - c), grid.index(c) % 2))  # nearest, ties to even code
+            total += (v - r * s2) ** 2
+        return total
+
+    for i in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            vals = [Fraction(abs(float(v))) for v in x[i, j]]
+            amax = max(vals)
+            er = int(rq.rceil_exponent(torch.tensor([float(amax)]))[0])
+            ea, eb = err(vals, er), err(vals, er - 1)
+            assert int(scales[i, j]) - 127 == (er - 1 if eb < ea else er), (i, j)
+            terms = ea + eb
+            if ea == eb:
+                kinds["tie"] += 1
+            elif abs(ea - eb) < terms * Fraction(1, 2**17):
+                kinds["lower by < 2^-17" if eb < ea else "higher by < 2^-17"] += 1
+    assert all(v > 0 for v in kinds.values()), kinds
 
 
 @pytest.mark.parametrize("rule", RULES, ids=IDS)

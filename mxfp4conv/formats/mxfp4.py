@@ -2,7 +2,7 @@
 
 Implements the scale rules and block statistics of docs/NUMERICS.md ("MXFP4 quantization", "Requant
 statistics") bit for bit. Everything is vectorized over blocks; the only Python loops run over the 32
-positions (and 16 groups) of a block, for the fixed-order float64 sums the contract prescribes.
+positions (and 16 groups) of a block, for the fixed-order sums the contract prescribes.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ __all__ = [
     "BlockStats",
     "ScaleRule",
     "block_sum",
+    "block_sum32",
     "dequantize_mxfp4",
+    "mse_prefers_lower",
     "quantize_mxfp4",
     "quantize_mxfp4_with_stats",
     "rceil_exponent",
@@ -56,11 +58,12 @@ class ScaleRule(str, Enum):
 
 
 class BlockStats(NamedTuple):
-    """Per-block statistics, each ``[..., K/32]``.
+    """Per-block statistics, each ``[..., K/32]`` (NUMERICS.md "Block statistics").
 
-    ``sq_err`` / ``signal``: float64 sums over the block of ``(x - dq)^2`` / ``x^2`` in the order of
-    ``block_sum``; ``max_abs_err``: float64 ``max |x - dq|``; ``clipped``: bool,
-    ``amax * 2^-e > 6``; ``exact``: bool, every requantized value equals its source.
+    ``sq_err`` / ``signal``: float64 ``4^e * float32 block sum`` of ``d^2`` / ``q^2`` in the scaled
+    domain (``q = |x| * 2^-e``, ``d = q - r``, ``r`` the E2M1 grid value), summed by ``block_sum32``;
+    ``max_abs_err``: float64 ``2^e * max |d|``; ``clipped``: bool, ``amax * 2^-e > 6``; ``exact``:
+    bool, every requantized value equals its source (``max |d| == 0``).
     """
 
     sq_err: torch.Tensor
@@ -71,7 +74,8 @@ class BlockStats(NamedTuple):
 
 
 def sequential_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t [..., 32]`` over the last axis strictly in order ``((t0 + t1) + t2) + ...`` -> ``[...]``."""
+    """Sum ``t [..., n]`` over the last axis strictly in order ``((t0 + t1) + t2) + ...`` -> ``[...]``,
+    every add rounded to ``t``'s dtype."""
     acc = t[..., 0].clone()
     for i in range(1, t.shape[-1]):
         acc += t[..., i]
@@ -86,15 +90,52 @@ def block_sum(t: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
 
     ``groups`` None: sequentially over positions 0..31 (``sequential_sum``). Otherwise ``groups``
     (integer ``[..., 32]``, values 0..15) splits the block: each group's terms are summed sequentially
-    over positions, then the 16 group sums are added in group order 0..15. For NVFP4 sources the group
-    of an element is ``half * 8 + magnitude code`` (NUMERICS.md): a group's terms are all equal, so its
-    sum ``n * t`` is exact and only the 16 group sums round.
+    over positions, then the 16 group sums are added in group order 0..15.
     """
     if groups is None:
         return sequential_sum(t)
+    return sequential_sum(_group_sums(t, groups))
+
+
+def _group_sums(t: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """``[..., 32]`` -> ``[..., 16]``: each group's terms summed sequentially over positions, in t's dtype."""
     onehot = groups[..., None] == torch.arange(GROUPS, device=t.device)  # [..., 32, 16]
     per_group = torch.where(onehot, t[..., None], 0.0)  # adding 0.0 is exact
-    return sequential_sum(sequential_sum(per_group.transpose(-1, -2)))
+    return sequential_sum(per_group.transpose(-1, -2))
+
+
+def block_sum32(t: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+    """The float32 block sum of the statistics (NUMERICS.md "Block statistics") of float32 terms
+    ``t [..., 32]`` -> float32 ``[...]``.
+
+    ``groups`` None: sequentially over positions 0..31 in float32. Otherwise each group's terms are
+    summed in float64 sequentially over positions and rounded once to float32, then the 16 group
+    values are added in float32 in group order 0..15. For NVFP4 sources every term of a group is the
+    same float32 number t (its group is ``half * 8 + magnitude``), so a group's value is
+    ``RN32(n * t)`` (the float64 sum ``n * t`` is exact): what every requant kernel computes.
+    """
+    if t.dtype != torch.float32:
+        raise TypeError(f"block_sum32 expects float32 terms, got {t.dtype}")
+    if groups is None:
+        return sequential_sum(t)
+    return sequential_sum(_group_sums(t.double(), groups).float())
+
+
+def mse_prefers_lower(q_b: torch.Tensor, r_a: torch.Tensor, r_b: torch.Tensor) -> torch.Tensor:
+    """MSE's decision, exact: True where RCEIL - 1 (grid values ``r_b`` of ``q_b = |x| * 2^-(e - 1)``)
+    has a strictly lower squared error than RCEIL (grid values ``r_a``, in the domain of e), over the
+    last axis (``[..., n]`` float32 -> bool ``[...]``); callers exclude blocks whose two exponents
+    are equal (clamped).
+
+    With ``u = q_b``, ``A = 2 r_a``, ``B = r_b`` (all in the RCEIL - 1 domain) the difference of the
+    two errors is ``4^(e-1) * D``, ``D = sum (u - B)^2 - (u - A)^2 = sum (A - B) (2u - A - B)``. Every
+    term is 0 unless u > 1/4 (below, A = B = 0), so u's ulp is >= 2^-25, every term is a multiple of
+    2^-25 below 2^13 in magnitude, and D (in float64, in any order) is exact (NUMERICS.md).
+    """
+    u = q_b.double()
+    a = 2.0 * r_a.double()
+    b = r_b.double()
+    return ((a - b) * ((u + u) - (a + b))).sum(-1) < 0
 
 
 def _clamp(e: torch.Tensor) -> torch.Tensor:
@@ -133,12 +174,14 @@ def scale_exponent(amax: torch.Tensor, rule: ScaleRule) -> torch.Tensor:
 
 def _candidate(
     a: torch.Tensor, e: torch.Tensor, groups: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """|x| [..., NB, 32] under exponents e [..., NB] -> (magnitude codes u8, d = |x| - dq f64, err f64)."""
-    mag = e2m1_encode(a * pow2_float32(-e)[..., None])  # a >= +0, so no sign bit
-    dq = e2m1_decode(mag).double() * pow2_float64(e)[..., None]
-    d = a.double() - dq
-    return mag, d, block_sum(d * d, groups)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """|x| [..., NB, 32] under exponents e [..., NB] -> (magnitude codes u8, q, r, d = q - r (float32,
+    the scaled domain), the float32 block sum of d^2)."""
+    q = a * pow2_float32(-e)[..., None]  # a power-of-two scaling: exact unless q is subnormal
+    mag = e2m1_encode(q)  # a >= +0, so no sign bit
+    r = e2m1_decode(mag)
+    d = q - r
+    return mag, q, r, d, block_sum32(d * d, groups)
 
 
 def quantize_mxfp4_with_stats(
@@ -149,10 +192,10 @@ def quantize_mxfp4_with_stats(
 
     Per block: amax = max |x|; exponent by ``rule`` (clamped to [-127, 127]; all-zero blocks 2^0);
     q = x * 2^-e; code = E2M1 RNE encode of q, sign = signbit(x). MSE tries RCEIL and RCEIL-1 (both
-    clamped) and keeps RCEIL-1 only if its float64 squared error is strictly lower. The error uses
-    the exact dequantized value e2m1(code) * 2^e in float64. Block sums (squared error, signal) are
-    ``block_sum(..., groups)``: sequential over positions without ``groups`` (integer ``[..., K]``,
-    0..15 within each block), grouped with them (the NVFP4 requant contract).
+    clamped) and keeps RCEIL-1 only if its squared error is strictly lower, compared exactly
+    (``mse_prefers_lower``). Statistics: ``BlockStats``; block sums are ``block_sum32(..., groups)``:
+    sequential over positions without ``groups`` (integer ``[..., K]``, 0..15 within each block),
+    grouped with them (the NVFP4 requant contract).
     """
     rule = ScaleRule(rule)
     if x.dtype != torch.float32:
@@ -171,24 +214,25 @@ def quantize_mxfp4_with_stats(
         er = rceil_exponent(amax)
         ea = torch.where(zero, 0, _clamp(er))
         eb = torch.where(zero, 0, _clamp(er - 1))
-        mag_a, d_a, err_a = _candidate(a, ea, gb)
-        mag_b, d_b, err_b = _candidate(a, eb, gb)
-        pick = err_b < err_a
+        mag_a, q_a, r_a, d_a, err_a = _candidate(a, ea, gb)
+        mag_b, q_b, r_b, d_b, err_b = _candidate(a, eb, gb)
+        pick = mse_prefers_lower(q_b, r_a, r_b) & (eb != ea)
         e = torch.where(pick, eb, ea)
         mag = torch.where(pick[..., None], mag_b, mag_a)
+        q = torch.where(pick[..., None], q_b, q_a)
         d = torch.where(pick[..., None], d_b, d_a)
         err = torch.where(pick, err_b, err_a)
     else:
         e = scale_exponent(amax, rule)
-        mag, d, err = _candidate(a, e, gb)
+        mag, q, _, d, err = _candidate(a, e, gb)
     codes = (mag | (torch.signbit(xb).to(torch.uint8) << 3)).reshape(x.shape)
-    a64 = a.double()
+    mx = d.abs().amax(-1)
     stats = BlockStats(
-        sq_err=err,
-        signal=block_sum(a64 * a64, gb),
-        max_abs_err=d.abs().amax(-1),
+        sq_err=err.double() * pow2_float64(2 * e),
+        signal=block_sum32(q * q, gb).double() * pow2_float64(2 * e),
+        max_abs_err=mx.double() * pow2_float64(e),
         clipped=amax.double() * pow2_float64(-e) > F4_E2M1_MAX,
-        exact=err == 0,
+        exact=mx == 0,
     )
     return pack_nibbles(codes), (e + E8M0_BIAS).to(torch.uint8), stats
 

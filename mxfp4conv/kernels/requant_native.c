@@ -9,7 +9,8 @@
  * Per 32-block (two 16-element NVFP4 halves h, scale s_h; second-level scale g of the row): only 16
  * values occur, |x|[h*8 + m] = RN(RN(e2m1[m] * |s_h|) (*|/) |g|) for magnitude code m, so the float
  * work runs on that 16-entry table; per element only its group h*8 + m is counted and its new code
- * looked up. Block sums are sum_t n_t * term_t in group order t = 0..15 (n_t * term_t is exact).
+ * looked up. Statistics are float32 block sums in the scaled domain, in group order t = 0..15, times
+ * 4^e in float64; MSE compares its two candidates exactly (float64 terms that are all exact).
  */
 #include <math.h>
 #include <stdint.h>
@@ -78,14 +79,14 @@ static int scale_exp(float amax, int rule) {
     return clamp_e(e);
 }
 
-/* One candidate exponent e over the 16-entry table (|x| values at, their bits ab): grid magnitudes
- * r[t] and u[t] = (q - r)^2 with q = |x| * 2^-e, rounded to the E2M1 grid by adding and subtracting
- * c = 2^(max(floor(log2 q), 0) + 22) (ties to even), saturated at 6. The same operations as
- * requant._cand_tab; written as flat loops over 16 lanes so that the compiler vectorizes them. */
-static inline void cand(const float *at, const uint32_t *ab, int e, float *r, double *u) {
+/* One candidate exponent e over the 16-entry table (|x| values at, their bits ab): q = |x| * 2^-e,
+ * its grid magnitude r and d = q - r (float32, the scaled domain), rounding q to the E2M1 grid by
+ * adding and subtracting c = 2^(max(floor(log2 q), 0) + 22) (ties to even), saturated at 6. The same
+ * operations as requant._cand_tab; flat loops over 16 lanes so that the compiler vectorizes them. */
+static inline void cand(const float *at, const uint32_t *ab, int e, float *q, float *r, float *d) {
     const float inv = pow2f(-e);
     const int32_t coff = (22 - e) * (1 << 23), cmin = (127 + 22) * (1 << 23);
-    float q[16], cf[16], d[16];
+    float cf[16];
     int32_t c[16];
     for (int t = 0; t < 16; t++) q[t] = at[t] * inv;
     for (int t = 0; t < 16; t++) {
@@ -99,29 +100,40 @@ static inline void cand(const float *at, const uint32_t *ab, int e, float *r, do
         r[t] = y;
         d[t] = q[t] - y;
     }
-    for (int t = 0; t < 16; t++) u[t] = (double)d[t] * (double)d[t];
 }
 
-/* sum_t n_t * tab_t in order t = 0..15 (the products are exact; only the adds round). The entries of
- * magnitude 0 (t = 0 and 8) are exactly +0 in every table folded here (|x| = 0 is reproduced
- * exactly), and adding +0 to a sum >= +0 changes nothing, so they are skipped. */
-static inline double fold(const double *tab, const double *n) {
-    double acc = tab[1] * n[1];
-    for (int t = 2; t < 8; t++) acc += tab[t] * n[t];
-    for (int t = 9; t < 16; t++) acc += tab[t] * n[t];
+/* The float32 block sum of the statistics: acc = RN(acc + RN(n_t * RN(v_t * v_t))) in group order
+ * t = 0..15 over the entries that occur (NUMERICS.md "Block statistics"; -ffp-contract=off keeps
+ * every operation rounded). Entries that do not occur are skipped: their v^2 can overflow (an
+ * all-zero block of a huge second-level scale keeps e = 0). */
+static inline float fold32(const float *v, const float *n) {
+    float acc = 0.0f;
+    for (int t = 0; t < 16; t++) {
+        const float sq = v[t] * v[t];
+        acc += n[t] != 0.0f ? n[t] * sq : 0.0f;
+    }
     return acc;
 }
 
-static inline double dmax(double a, double b) { return a > b ? a : b; }
+/* MSE's exact decision (NUMERICS.md): sum_t n_t (A - B)(2u - A - B) < 0 with u = q_b, A = 2 r_a,
+ * B = r_b; every term and partial sum is exact in float64. */
+static inline int mse_lower(const float *qb, const float *ra, const float *rb, const float *n) {
+    double acc = 0.0;
+    for (int t = 0; t < 16; t++) {
+        const double a = 2.0 * (double)ra[t], b = (double)rb[t], u = (double)qb[t];
+        acc += (double)n[t] * ((a - b) * ((u + u) - (a + b)));
+    }
+    return acc < 0.0;
+}
 
-/* max of tab[t] (finite, >= 0) over the entries that occur (pm[t] = 1.0, else 0.0; the products are
- * exact); max is exact, so a tree is fine. */
-static inline double present_max(const double *tab, const double *pm) {
-    double v[16];
-    for (int t = 0; t < 16; t++) v[t] = tab[t] * pm[t];
-    for (int w = 8; w >= 1; w >>= 1)
-        for (int t = 0; t < w; t++) v[t] = dmax(v[t], v[t + w]);
-    return v[0];
+/* max |d| over the entries that occur (pm[t] = 1, else 0; the products are exact). */
+static inline float present_max(const float *d, const float *pm) {
+    float m = 0.0f;
+    for (int t = 0; t < 16; t++) {
+        const float v = fabsf(d[t]) * pm[t];
+        m = v > m ? v : m;
+    }
+    return m;
 }
 
 /* rows [r0, r1): packed u8 [R, kh], s f32 [R, kh/8] (decoded E4M3), g f32 [R];
@@ -160,45 +172,38 @@ int mxfp4conv_requant_rows(const uint8_t *packed, const float *s, const float *g
 #else
             for (int t = 0; t < 16; t++) cnt[t] = (uint8_t)(c8[t >> 3] >> (8 * (t & 7)));
 #endif
-            double n[16], pm[16], a2[16];
-            for (int t = 0; t < 16; t++) n[t] = (double)cnt[t];
-            for (int t = 0; t < 16; t++) pm[t] = cnt[t] ? 1.0 : 0.0;
-            for (int t = 0; t < 16; t++) a2[t] = (double)at[t] * (double)at[t];
+            float n[16], pm[16];
+            for (int t = 0; t < 16; t++) n[t] = (float)cnt[t];
+            for (int t = 0; t < 16; t++) pm[t] = cnt[t] ? 1.0f : 0.0f;
             /* amax: the top occurring magnitude of each half (c8 != 0: 16 elements per half). */
             const float top0 = at[(63 - __builtin_clzll(c8[0])) >> 3];
             const float top1 = at[8 + ((63 - __builtin_clzll(c8[1])) >> 3)];
             const float amax = top0 > top1 ? top0 : top1;
-            float rt[16];
-            double ut[16];
+            float qt[16], rt[16], dt[16];
             int e;
-            double err, mx;
+            float err;
             if (rule == 3) {
                 const int zero = amax == 0.0f;
                 const int er = zero ? 0 : rceil_exp(amax);
                 const int ea = zero ? 0 : clamp_e(er), eb = zero ? 0 : clamp_e(er - 1);
-                float rb[16];
-                double ub[16];
-                cand(at, ab, ea, rt, ut);
-                cand(at, ab, eb, rb, ub);
-                const double sa4 = pow2d(2 * ea), sb4 = pow2d(2 * eb);
-                const double err_a = fold(ut, n) * sa4, err_b = fold(ub, n) * sb4;
-                if (err_b < err_a) {
+                float qb[16], rb[16], db[16];
+                cand(at, ab, ea, qt, rt, dt);
+                cand(at, ab, eb, qb, rb, db);
+                if (eb != ea && mse_lower(qb, rt, rb, n)) {
                     e = eb;
-                    err = err_b;
-                    mx = present_max(ub, pm) * sb4;
+                    memcpy(qt, qb, sizeof qt);
                     memcpy(rt, rb, sizeof rt);
+                    memcpy(dt, db, sizeof dt);
                 } else {
                     e = ea;
-                    err = err_a;
-                    mx = present_max(ut, pm) * sa4;
                 }
             } else {
                 e = scale_exp(amax, rule);
-                cand(at, ab, e, rt, ut);
-                const double s4 = pow2d(2 * e);
-                err = fold(ut, n) * s4;
-                mx = present_max(ut, pm) * s4;
+                cand(at, ab, e, qt, rt, dt);
             }
+            err = fold32(dt, n);
+            const float mx = present_max(dt, pm);
+            const double s4 = pow2d(2 * e);
             uint32_t rbits[16];
             memcpy(rbits, rt, sizeof rbits);
             uint8_t code[16];
@@ -213,15 +218,16 @@ int mxfp4conv_requant_rows(const uint8_t *packed, const float *s, const float *g
             }
             scales_out[row * nb + j] = (uint8_t)(e + 127);
             rclip += amax > six_pow2f(e);
-            rexact += err == 0.0;
-            rsq += err;
-            rsig += fold(a2, n);
-            rmx = mx > rmx ? mx : rmx;
+            rexact += mx == 0.0f;
+            rsq += (double)err * s4;
+            rsig += (double)fold32(qt, n) * s4;
+            const double mxd = (double)mx * pow2d(e);
+            rmx = mxd > rmx ? mxd : rmx;
         }
         double *st = row_stats + row * 5;
         st[0] = rsq;
         st[1] = rsig;
-        st[2] = sqrt(rmx);
+        st[2] = rmx;
         st[3] = rclip;
         st[4] = rexact;
     }

@@ -1,8 +1,9 @@
-"""MXFP4 quantization vs a plain per-element float64 Python reference of every scale rule.
+"""MXFP4 quantization vs a plain per-element Python reference of every scale rule.
 
 The reference (``ref_block``) is written independently of the library: Python floats, ``math.frexp``
 / ``struct`` for exponents and bits, a brute-force nearest-grid search for E2M1 (ties to the even
-code), and explicit sequential loops for the sums (per position, or per group then in group order,
+code), MSE's choice from exact squared errors (``fractions.Fraction``), and explicit sequential
+numpy-float32 loops for the statistics' block sums (per position, or per group then in group order,
 the NVFP4 requant contract). The vectorized code must match it bit for bit.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import math
 import struct
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -68,31 +70,38 @@ def ref_exponent(amax: float, rule: str) -> int:
     return e
 
 
-def ref_candidate(xs: list[float], e: int) -> tuple[list[int], list[float]]:
-    mags, ds = [], []
+def ref_candidate(xs: list[float], e: int) -> tuple[list[int], list[np.float32], list[np.float32], Fraction]:
+    """Magnitude codes, float32 q = |x| * 2^-e and d = q - r (the statistics' scaled domain), and the
+    exact squared error (a Fraction) of the block under exponent e."""
+    mags, qs, ds = [], [], []
+    exact = Fraction(0)
+    inv = np.float32(2.0**-e)  # exact (2^-127 is a float32 subnormal)
     for x in xs:
-        m = ref_encode_mag(abs(x) * 2.0**-e)
+        q = np.float32(abs(x)) * inv
+        m = ref_encode_mag(float(q))
         mags.append(m)
-        dq = math.copysign(math.ldexp(GRID[m], e), x)
-        ds.append(x - dq)
-    return mags, ds
+        qs.append(q)
+        ds.append(np.float32(q - np.float32(GRID[m])))
+        exact += (Fraction(abs(x)) - Fraction(GRID[m]) * Fraction(2) ** e) ** 2
+    return mags, qs, ds, exact
 
 
-def ref_seq_sq(vs: list[float], groups: list[int] | None = None) -> float:
-    """sum of v*v: sequentially over positions, or (groups) per group 0..15, then the group sums in order."""
+def ref_sum32(vs: list[np.float32], groups: list[int] | None = None) -> float:
+    """The float32 block sum of v*v: sequentially over positions in float32, or (groups) each group's
+    terms summed in float64 over positions, rounded to float32, then the 16 group values added in
+    float32 in group order."""
+    total = np.float32(0.0)
     if groups is None:
-        s = 0.0
         for v in vs:
-            s += v * v
-        return s
-    total = 0.0
+            total = np.float32(total + np.float32(v * v))
+        return float(total)
     for gid in range(16):
         part = 0.0
         for v, gv in zip(vs, groups, strict=True):
             if gv == gid:
-                part += v * v
-        total += part
-    return total
+                part += float(np.float32(v * v))
+        total = np.float32(total + np.float32(part))
+    return float(total)
 
 
 def ref_block(
@@ -103,22 +112,22 @@ def ref_block(
     clamp = lambda e: max(-127, min(127, e))  # noqa: E731
     if amax == 0:
         e = 0
-        mags, ds = ref_candidate(xs, 0)
+        mags, qs, ds, _ = ref_candidate(xs, 0)
     elif rule == "mse":
         ea, eb = clamp(ref_exponent(amax, "rceil")), clamp(ref_exponent(amax, "rceil") - 1)
-        ma, da = ref_candidate(xs, ea)
-        mb, db = ref_candidate(xs, eb)
-        if ref_seq_sq(db, groups) < ref_seq_sq(da, groups):
-            e, mags, ds = eb, mb, db
+        ma, qa, da, xa = ref_candidate(xs, ea)
+        mb, qb, db, xb = ref_candidate(xs, eb)
+        if xb < xa:  # exactly lower
+            e, mags, qs, ds = eb, mb, qb, db
         else:
-            e, mags, ds = ea, ma, da
+            e, mags, qs, ds = ea, ma, qa, da
     else:
         e = clamp(ref_exponent(amax, rule))
-        mags, ds = ref_candidate(xs, e)
+        mags, qs, ds, _ = ref_candidate(xs, e)
     codes = [m | (8 if math.copysign(1.0, x) < 0 else 0) for m, x in zip(mags, xs, strict=True)]
-    sq = ref_seq_sq(ds, groups)
-    return (codes, e + 127, sq, ref_seq_sq(xs, groups), max(abs(d) for d in ds),
-            amax * 2.0**-e > 6.0, all(d == 0 for d in ds))  # fmt: skip
+    mx = max(abs(float(d)) for d in ds)
+    return (codes, e + 127, ref_sum32(ds, groups) * 4.0**e, ref_sum32(qs, groups) * 4.0**e,
+            mx * 2.0**e, amax * 2.0**-e > 6.0, mx == 0.0)  # fmt: skip
 
 
 def check_against_reference(x: np.ndarray, rule: ScaleRule, groups: np.ndarray | None = None) -> None:
