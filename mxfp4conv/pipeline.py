@@ -169,6 +169,17 @@ def cpu_kernel(device: str, needed: bool) -> str | None:
         raise UsageError(str(exc), hint="unset MXFP4CONV_CPU_KERNEL, or install a C compiler (cc / gcc / clang)") from exc
 
 
+def check_hasher() -> None:
+    """Load the shard hasher now (``mxfp4conv/io/hash_native.py``), so that ``MXFP4CONV_HASHER=native``
+    where it cannot be built (or a bad mode) fails before any output is written, as a ``UsageError``."""
+    from mxfp4conv.io import hash_native
+
+    try:
+        hash_native.load()
+    except (OSError, ValueError) as exc:
+        raise UsageError(str(exc), hint="unset MXFP4CONV_HASHER, or install a C compiler (cc / gcc / clang)") from exc
+
+
 def _needs_device(ctx: WriterContext) -> bool:
     """Whether any unit is requantized (the only work that runs on ``--device``)."""
     return ctx.facts.source_quant == "nvfp4" and ctx.options.get("keep_nvfp4") != "1"
@@ -439,6 +450,8 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
             report.status = "skipped"
             report.seconds["total"] = time.perf_counter() - t_start
             return report
+    if not opts.dry_run:
+        check_hasher()
     check_destination(ckpt.root, dst, overwrite=opts.overwrite or opts.skip_if_current)
 
     ranks = target.ranks(ctx)

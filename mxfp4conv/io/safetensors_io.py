@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import hashlib
 import itertools
 import json
 import math
@@ -33,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
 from mxfp4conv.errors import InputError, OutputError
+from mxfp4conv.io import hash_native
 
 __all__ = [  # and DTYPES, built lazily by the module __getattr__
     "ITEMSIZE",
@@ -140,7 +140,9 @@ COPY_CHUNK = 16 << 20
 # encoder), so small chunks collapse under contention: 1 MiB hashed at 1.25 GB/s alone but 0.09 GB/s
 # beside a Python-busy thread, 16 MiB at 0.74-1.12 and 0.65 (benchmarks/probe_hash_gil.py, dev VM).
 # 1 MiB was the default for one session (+3-6% alone, probe_hash_chunk.py); the H200 pipeline's
-# hash seconds then rose from 17.2 to 22-26 s at 48 layers.
+# hash seconds then rose from 17.2 to 22-26 s at 48 layers. This is the hashlib path's read size: by
+# default (MXFP4CONV_HASHER=auto) a range is hashed in one GIL-free call of the native hasher instead
+# (mxfp4conv/io/hash_native.py, reading hash_native.CHUNK at a time), with hashlib as the fallback.
 HASH_CHUNK = 16 << 20
 # How the writer thread copies a source byte range: "copy_file_range" (kernel-side, the default where
 # Python has it: Linux), or "readwrite" (pread into a reused buffer, then write). A filesystem pair
@@ -486,6 +488,10 @@ class _BackgroundWriter:
     shard's production. Errors surface on put/close."""
 
     def __init__(self, path: Path, budget: InflightBudget) -> None:
+        # native (one GIL-free call per range) or hashlib, per MXFP4CONV_HASHER; first, as "native"
+        # raises when it cannot be had
+        self._digest = hash_native.sha256()
+        self._native = isinstance(self._digest, hash_native.NativeSha256)
         try:
             self._fh = open(path, "xb", buffering=0)  # noqa: SIM115 - closed by close()/abort()
             self._rfd = os.open(path, os.O_RDONLY)  # the hasher's, to read computed bytes back
@@ -495,11 +501,11 @@ class _BackgroundWriter:
             raise OutputError(f"cannot create shard: {exc.strerror}", file=str(path),
                               hint="check the destination folder's permissions and free space") from exc
         self._path = path
-        self._digest = hashlib.sha256()
         self._wb = _Writeback(self._fh.fileno())
         self._wbuf: memoryview | None = None  # copy buffer of the writer thread
         self._cfr = COPY_MODE == "copy_file_range"  # cleared when the filesystems refuse it
-        self._hbuf: bytearray | None = None  # read buffer of the hasher thread
+        self._hbuf: bytearray | None = None  # read buffer of the hasher thread (hashlib path)
+        self._nbuf: ctypes.Array[ctypes.c_char] | None = None  # the same, native path
         # source files open for the writer (0) and the hasher (1) thread, one descriptor per thread and
         # file for the shard's lifetime: a ct-mxfp4 rename copies ~10,000 small tensors
         self._fds: tuple[dict[Path, int], dict[Path, int]] = ({}, {})
@@ -579,6 +585,9 @@ class _BackgroundWriter:
     def _hash_range(self, fd: int, pos: int, left: int, src: FileSlice | None) -> None:
         """Hash ``left`` bytes of ``fd`` from ``pos``: a copied slice's source range (``src``), or the
         shard's own bytes (``src`` None)."""
+        if self._native:
+            self._hash_range_native(fd, pos, left, src)
+            return
         if self._hbuf is None:
             self._hbuf = bytearray(HASH_CHUNK)  # reused: no per-chunk allocation
         buf = self._hbuf
@@ -598,6 +607,24 @@ class _BackgroundWriter:
 
     def _hash_chunk(self, chunk: memoryview) -> None:
         self._digest.update(chunk)
+
+    def _hash_range_native(self, fd: int, pos: int, left: int, src: FileSlice | None) -> None:
+        """``_hash_range`` in one GIL-free call (reads, the E8M0 0xFF check and the sha256 in C)."""
+        if self._nbuf is None:
+            self._nbuf = hash_native.buffer()
+        done, status = self._digest.hash_range(fd, pos, left, self._nbuf, src is not None and src.e8m0)
+        if status == -1:
+            assert src is not None
+            raise InputError("E8M0 scale byte 0xFF (NaN) is not a valid MXFP4 scale", file=str(src.file),
+                             tensor=src.name or None, hint="the checkpoint is corrupt; re-export it")
+        if status == -2:
+            raise RuntimeError("the native sha256 (EVP_DigestUpdate) failed")
+        if status:
+            raise OSError(status, os.strerror(status))
+        if done < left:
+            if src is None:
+                raise OSError(errno.EIO, "the shard got shorter while being written")
+            raise _shrank(src)
 
     def _source(self, src: FileSlice, thread: int) -> int:
         """The open file of ``src`` for the writer (0) or the hasher (1) thread."""
