@@ -223,6 +223,7 @@ def test_copy_runs_merge_only_adjacent_ranges_of_one_file() -> None:
 def test_a_lagging_hasher_never_holds_back_the_producer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The hasher reads the written bytes back from the file, so with its sha256 stalled and a tiny
     budget every item is still queued and written; the digest, once released, is the file's."""
+    monkeypatch.setenv("MXFP4CONV_HASHER", "hashlib")  # the path that hashes chunk by chunk in Python
     release = threading.Event()
     real = sio._BackgroundWriter._hash_chunk
 
