@@ -12,7 +12,7 @@ Cases, one JSON line each (stdout, and appended to ``--out``):
 * ``kernel_config``: the fused kernel (EVEN, multiplier) per launch shape; the best is used next.
 * ``kernel``: the fused kernel per scale rule and convention on an NVFP4 slab ``[rows, K]`` resident
   on the GPU, with G weights/s and the fraction of the roofline; ``kernel_nostats_diagnostic``: the
-  same without the float64 statistics (what they cost).
+  same without the signal sums (what they cost).
 * ``torch_eager`` / ``torch_compile``: a plain torch requant (EVEN, multiplier, no statistics:
   LUT-gather unpack, fp32 dequant, amax, EVEN exponent from the bits, 7-compare RNE encode, pack),
   with whether its bytes equal the kernel's.
@@ -114,18 +114,22 @@ def _outs(r: int, k: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor
             torch.empty((r, 5), dtype=torch.float64, device=dev))
 
 
+# (num_warps, rows per program, prefetch): the launch shapes swept (8 blocks per row per step).
+CONFIG_SWEEP = ((4, 16, True), (4, 32, True), (4, 8, True), (2, 8, True), (2, 16, True), (8, 32, True),
+                (4, 16, False))
+
+
 def bench_configs(r: int, k: int, dev: torch.device, base: dict[str, Any], out: str | None) -> dict[str, KernelConfig]:
     """Time the launch shapes (multiplier) for EVEN (the single-candidate rules) and MSE; the best per rule."""
     slab, outs = make_slab(r, k, False, dev), _outs(r, k, dev)
     best: dict[str, KernelConfig] = {}
     for rule in ("even", "mse"):
         top: tuple[float, KernelConfig] = (float("inf"), KernelConfig())
-        for nw, cb, pf in ((8, 1, False), (8, 2, False), (8, 4, False), (4, 4, False), (8, 1, True), (8, 2, True),
-                           (8, 4, True), (4, 2, True), (4, 4, True)):
-            cfg = KernelConfig(num_warps=nw, blocks_per_iter=cb, prefetch=pf)
+        for nw, rows, pf in CONFIG_SWEEP:
+            cfg = KernelConfig(num_warps=nw, prefetch=pf, rows=rows)
             ms, _, _ = bench_ms(lambda cfg=cfg, rule=rule: requant_rows_into(*slab, False, rule, *outs, config=cfg), 300)
-            emit({**base, "case": "kernel_config", "rule": rule, "num_warps": nw, "blocks_per_iter": cb,
-                  "prefetch": pf, "ms": round(ms, 4), "Gweights_s": round(r * k / ms / 1e6, 1)}, out)
+            emit({**base, "case": "kernel_config", "rule": rule, "num_warps": nw,
+                  "rows": rows, "prefetch": pf, "ms": round(ms, 4), "Gweights_s": round(r * k / ms / 1e6, 1)}, out)
             if ms < top[0]:
                 top = (ms, cfg)
         best[rule] = top[1]
@@ -147,15 +151,15 @@ def bench_kernel(r: int, k: int, dev: torch.device, cfgs: dict[str, KernelConfig
             kernel_ms[(rule, divisor)] = ms
             gw = r * k / ms / 1e6
             emit({**base, "case": "kernel", "rule": rule, "convention": "ct_divisor" if divisor else "modelopt",
-                  "shape": [r, k], "num_warps": cfg.num_warps, "blocks_per_iter": cfg.blocks_per_iter,
-                  "prefetch": cfg.prefetch,
+                  "shape": [r, k], "num_warps": cfg.num_warps,
+                  "rows": cfg.rows, "prefetch": cfg.prefetch,
                   "ms": round(ms, 4), "ms_min": round(lo, 4), "ms_max": round(hi, 4),
                   "Gweights_s": round(gw, 1), "HBM_GBps": round(gw * BYTES_PER_WEIGHT, 1),
                   "of_roofline": round(gw / roof, 3)}, out)
     # Diagnostic: the divisor convention through PTX div.rn.f32 instead of Markstein's correction.
     cfg = cfgs["even"]
     slab = make_slab(r, k, True, dev)
-    plain = KernelConfig(cfg.num_warps, cfg.blocks_per_iter, fast_div=False, prefetch=cfg.prefetch)
+    plain = KernelConfig(cfg.num_warps, fast_div=False, prefetch=cfg.prefetch, rows=cfg.rows)
     ms, _, _ = bench_ms(lambda: requant_rows_into(*slab, True, "even", *outs, config=plain))
     emit({**base, "case": "kernel_divrn_diagnostic", "rule": "even", "convention": "ct_divisor",
           "shape": [r, k], "ms": round(ms, 4), "Gweights_s": round(r * k / ms / 1e6, 1),

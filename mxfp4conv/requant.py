@@ -49,6 +49,7 @@ from mxfp4conv.formats.nvfp4 import dequantize_nvfp4, validate_nvfp4_scales
 from mxfp4conv.kernels import requant_native
 
 __all__ = [
+    "ROW_LANES",
     "ROW_STATS",
     "RequantStats",
     "requant_groups",
@@ -150,14 +151,28 @@ def _check_rows(packed: torch.Tensor, scales: torch.Tensor, global_rows: torch.T
     return k
 
 
+ROW_LANES = 8  # row sums: block j of a row is summed in lane j % 8 (NUMERICS.md "Row sums")
+
+
+def _lane_sum(v: torch.Tensor) -> torch.Tensor:
+    """[r, NB] float64 -> [r]: lane t (blocks t, t + 8, t + 16, ...) summed in block order from 0,
+    then the 8 lane sums added in lane order from 0 (CPU cumsum of float64 is a sequential scan)."""
+    r, nb = v.shape
+    pad = -nb % ROW_LANES
+    if pad:
+        v = torch.cat((v, v.new_zeros(r, pad)), 1)  # adding +0 to a lane sum changes nothing
+    lanes = torch.cat((v.new_zeros(r, 1, ROW_LANES), v.view(r, -1, ROW_LANES)), 1).cumsum(1)[:, -1]
+    return torch.cat((v.new_zeros(r, 1), lanes), 1).cumsum(1)[:, -1]
+
+
 def _row_stats(
     err: torch.Tensor, sig: torch.Tensor, mx: torch.Tensor, clipped: torch.Tensor, exact: torch.Tensor
 ) -> torch.Tensor:
-    """Per-block [r, NB] -> [r, 5] float64 (sequential sums over the row's blocks)."""
+    """Per-block [r, NB] -> [r, 5] float64: sq_err and signal by ``_lane_sum``, the max, the counts."""
     return torch.stack(
         (
-            err.cumsum(1)[:, -1],
-            sig.cumsum(1)[:, -1],
+            _lane_sum(err),
+            _lane_sum(sig),
             mx.amax(1),
             clipped.sum(1, dtype=torch.float64),
             exact.sum(1, dtype=torch.float64),

@@ -233,25 +233,36 @@ def test_cpu_path_is_sequential_where_it_matters() -> None:
     assert t.cumsum(0)[-1].item() == 1.0 and t.sum().item() != 1.0
 
 
-def test_row_stats_fold_blocks_sequentially() -> None:
-    """Row statistics = the block statistics folded in block order by a plain Python loop."""
+def test_row_stats_fold_blocks_in_lanes() -> None:
+    """Row statistics = the block statistics folded in the contract's 8 lanes (block j into lane
+    j % 8, lanes in order) by a plain Python loop."""
     from mxfp4conv.formats.mxfp4 import quantize_mxfp4_with_stats
     from mxfp4conv.formats.nvfp4 import dequantize_nvfp4
 
-    p, s, g = random_nvfp4(6, 4096, False, seed=12)
-    _, _, rows = requant_rows_cpu(p, s, g, False, ScaleRule.MSE)
-    x = dequantize_nvfp4(p, s, g, divisor=False)
-    st = quantize_mxfp4_with_stats(x, ScaleRule.MSE, rq.requant_groups(p))[2]
-    order_matters = False
-    for i in range(6):
-        sq = sig = 0.0
-        for j in range(st.sq_err.shape[1]):
-            sq += float(st.sq_err[i, j])
-            sig += float(st.signal[i, j])
-        want = [sq, sig, float(st.max_abs_err[i].max()), float(st.clipped[i].sum()), float(st.exact[i].sum())]
-        assert rows[i].tolist() == want
-        order_matters |= float(st.sq_err[i].sum()) != sq or float(st.signal[i].sum()) != sig
-    assert order_matters  # the data distinguishes sequential from pairwise sums
+    for k in (4096, 96, 800):  # 128, 3 and 25 blocks per row
+        p, s, g = random_nvfp4(6, k, False, seed=12)
+        _, _, rows = both_cpu_paths(p, s, g, False, ScaleRule.MSE)
+        x = dequantize_nvfp4(p, s, g, divisor=False)
+        st = quantize_mxfp4_with_stats(x, ScaleRule.MSE, rq.requant_groups(p))[2]
+        for i in range(6):
+            lsq, lsig = [0.0] * 8, [0.0] * 8
+            for j in range(st.sq_err.shape[1]):
+                lsq[j % 8] += float(st.sq_err[i, j])
+                lsig[j % 8] += float(st.signal[i, j])
+            sq = sig = 0.0
+            for t in range(8):
+                sq += lsq[t]
+                sig += lsig[t]
+            want = [sq, sig, float(st.max_abs_err[i].max()), float(st.clipped[i].sum()), float(st.exact[i].sum())]
+            assert rows[i].tolist() == want
+
+
+def test_lane_sum_order() -> None:
+    # 1 then fifteen 2^-53: sequentially every add rounds back to 1; in 8 lanes, lanes 1..7 hold
+    # 2^-52 each first, and 1 + 7 * 2^-52 is exact.
+    v = torch.tensor([[1.0] + [2.0**-53] * 15], dtype=torch.float64)
+    assert rq._lane_sum(v).item() == 1.0 + 7 * 2.0**-52
+    assert float(v.cumsum(1)[0, -1]) == 1.0
 
 
 def test_threads_and_slab_sizes_do_not_change_bytes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -200,6 +200,12 @@ def adversarial_nvfp4(divisor: bool, seed: int = 7, k: int = 128) -> dict[str, t
     if not divisor:
         g = (1.0 / g.double()).float()
     fam["div_vs_reciprocal"] = (_pack_codes(codes), _e4m3(_e4m3_of(sc)), g)
+
+    # 7. MSE near-ties: the two candidates' exact errors tie (with nonzero terms) or differ by
+    #    ~2^-18 .. 2^-21 of them, so the kernel's float32 decision must fall back to the exact one.
+    from test_requant import mse_near_tie_nvfp4
+
+    fam["mse_near_ties"] = mse_near_tie_nvfp4(divisor, r=256, k=k)
     return fam
 
 
@@ -306,18 +312,19 @@ def test_odd_shapes(rule: str) -> None:
 def test_configs_identical() -> None:
     """Every launch shape gives the same bytes (prefetch included), and so does the plain
     ``div.rn.f32`` division path."""
-    cases = [(False, KernelConfig(num_warps=1, blocks_per_iter=1)),
-             (False, KernelConfig(num_warps=2, blocks_per_iter=2)),
-             (False, KernelConfig(num_warps=8, blocks_per_iter=1)),
-             (False, KernelConfig(num_warps=4, blocks_per_iter=4)),
+    cases = [(False, KernelConfig(num_warps=1)),
+             (False, KernelConfig(num_warps=2, rows=32)),
+             (False, KernelConfig(num_warps=8)),
              (False, KernelConfig(num_warps=4, prefetch=True)),
-             (False, KernelConfig(num_warps=4, blocks_per_iter=2, prefetch=True)),
-             (False, KernelConfig(num_warps=8, blocks_per_iter=4, prefetch=True)),
+             (False, KernelConfig(num_warps=4, prefetch=True, rows=64)),
+             (False, KernelConfig(num_warps=8, prefetch=True, rows=16)),
              (True, KernelConfig(num_warps=4, fast_div=False)),
              (True, KernelConfig(num_warps=4, fast_div=True)),
              (True, KernelConfig(num_warps=8, prefetch=True)),
-             (True, KernelConfig(num_warps=4, blocks_per_iter=4, prefetch=True))]
-    for k in (512, 96):  # 16 blocks per row, and 3 (tiles of 2 and 4 fall back to 1)
+             (True, KernelConfig(num_warps=4, prefetch=True, rows=32)),
+             (True, KernelConfig(num_warps=4, prefetch=True, mse_exact=True)),
+             (False, KernelConfig(num_warps=2, mse_exact=True))]
+    for k in (512, 96, 800):  # 16 blocks per row, 3 and 25 (the last step of 8 blocks masked)
         for rule in ("even", "mse"):
             for divisor, cfg in cases:
                 packed, sc, g = random_nvfp4(1000, k, divisor, seed=5)
@@ -335,6 +342,23 @@ def test_configs_identical() -> None:
     requant_rows_into(packed.to(DEV), sc.to(DEV), g.to(DEV), True, _rule("mse"), *outs,
                       config=KernelConfig(num_warps=2, prefetch=True))
     assert_identical(outs, cpu, "mse prefetch divisor")
+
+
+@pytest.mark.parametrize("divisor", CONVENTIONS, ids=["modelopt", "ct"])
+def test_mse_exact_path_identical(divisor: bool) -> None:
+    """MSE's exact float64 decision, taken for every block (``mse_exact``), gives the same bytes as
+    the float32 decision with its fallback, on random data and every adversarial family."""
+    fams = dict(adversarial_nvfp4(divisor))
+    fams["random"] = random_nvfp4(512, 512, divisor, seed=21)
+    for name, (packed, sc, g) in fams.items():
+        cpu = requant_rows_cpu(packed, sc, g, divisor, _rule("mse"))
+        r, kh = packed.shape
+        outs = (torch.empty((r, kh), dtype=torch.uint8, device=DEV),
+                torch.empty((r, kh // 16), dtype=torch.uint8, device=DEV),
+                torch.empty((r, 5), dtype=torch.float64, device=DEV))
+        requant_rows_into(packed.to(DEV), sc.to(DEV), g.to(DEV), divisor, _rule("mse"), *outs,
+                          config=KernelConfig(num_warps=4, prefetch=True, mse_exact=True))
+        assert_identical(outs, cpu, f"mse_exact {name} divisor={divisor}")
 
 
 def test_auto_num_warps() -> None:

@@ -4,35 +4,36 @@
 Imported lazily by :mod:`mxfp4conv.kernels.requant_triton` only; nothing else imports this module,
 so a CPU-only install without triton never touches it.
 
-Design (one program = ``ROWS`` rows, one row per thread, blocks walked in order):
+Design (one program = ``ROWS`` rows, walked 8 32-blocks at a time):
 
-* The contract's statistics (float64) are block sums over 16 groups (half h, magnitude m) in group
-  order, ``sum n_hm * t_hm`` with exact products, then row sums sequential over blocks; a thread
-  owns whole rows and walks its row's 32-blocks in order, and the group terms are separate registers
-  (the code is unrolled), so the float64 accumulation order is exactly the contract's.
+* Coalesced: a step loads ``[ROWS, 8, 4]`` packed words (128 contiguous bytes per row), so
+  neighbouring threads read neighbouring blocks of a row; every block is computed by its own lane,
+  in registers. The row sums are the contract's 8 lanes (NUMERICS.md "Row sums": block j in lane
+  j % 8): each lane accumulates its own blocks, and only the program's end adds the 8 lanes in
+  order (``_lanes``), so no values move between threads per step.
 * Per block only 14 nonzero values occur: ``|x|[h, m] = RN(e2m1[m] * |s_h| (*|/) |g|)``, m = 1..7
-  (m = 0 is 0, exactly reproduced, and contributes +0). All float work (both MSE candidates,
-  statistics) runs on those 14 table entries; per element the kernel only counts its magnitude (a
-  histogram of 4-bit fields per packed word) and looks up its new code (the table's codes packed as
-  4-bit fields of one int32 per half, shifted by 4 * magnitude).
+  (m = 0 is 0, exactly reproduced). All float work runs on those 14 table entries; per element the
+  kernel only counts its magnitude (a histogram of 4-bit fields per packed word) and looks up its
+  new code (the table's codes packed as 4-bit fields of one int32 per half).
 * Signs never enter the float work: ``|x| = RN(|e2m1| * |s| (*|/) |g|)`` (RN is sign-symmetric) and
   the output sign bit is ``signbit(x) = nibble sign ^ signbit(s) ^ signbit(g)`` (IEEE sign rule,
   zeros included), applied to 8 codes at once with one XOR per packed word.
 * Dequantization: the e4m3 * e2m1 product is exact; one rounding by the second-level scale:
   multiply, or a true IEEE division (Triton's ``/`` is approximate and libdevice's ``div_rn`` is
   linked with flush-to-zero): PTX ``div.rn.f32``, or, when every |g| of the program is in
-  [2^-100, 2^100], Markstein's exact correction from the per-row ``RN(1/|g|)`` (3 instructions
-  instead of ~10).
-* E2M1 rounding is one fp32 FMA: ``y = RN(|x| * 2^-e + M)`` with M = 2^(22 + floor(log2 q)) (grid step
-  0.5, 1, 2 for |q| < 2, [2, 4), [4, 8); larger q, possible for a magnitude that does not occur,
-  saturates to code 7 / value 6) rounds |q| to the grid, ties to even; the low bits of y give the
-  code. ``|x| * 2^-e`` is exact except when it underflows, and then it is far below half an ulp of
-  M, so the fused and unfused forms agree.
-* ``d = |x| - dq = fma(r, -2^e, |x|)``: one rounding of the exact difference (exact for values that
-  occur: Sterbenz), |d| <= |x| (no overflow, even for e = 127 where dq = 2^128 does not fit fp32). d
-  and |x| have 24-bit significands, so d^2 and x^2 are exact in float64, and so are ``n * d^2`` and
-  ``n * x^2`` (n <= 16): ``fma(n, d*d, s) == RN(s + n*d*d)``, the contract's group term.
-* Launch with ``enable_fp_fusion=False`` so that no other mul/add pair is contracted.
+  [2^-100, 2^100], Markstein's exact correction from the per-row ``RN(1/|g|)``.
+* The scaled domain (NUMERICS.md "Block statistics"): ``q = |x| * 2^-e`` (exact), rounded to the
+  E2M1 grid by ``y = RN(q + M)`` with M = 2^(22 + max(floor(log2 q), 0)) (ties to even; the low bits
+  of y give the code; larger q saturates to code 7 / value 6), ``d = q - r`` (exact). All-zero
+  blocks scale by 0 instead of 2^0, so their absent entries cannot overflow ``d * d``.
+* Statistics in float32 as the contract orders them: ``acc = RN(acc + RN(n * RN(d * d)))`` over the
+  entries in group order, then ``float64(acc) * 4^e``. Launch with ``enable_fp_fusion=False`` so
+  that no mul/add pair is contracted.
+* MSE: both candidates' float32 error sums decide every block whose difference is clear
+  (``|RN(E1 - 4 E0)| > 2^-18 RN(E1 + 4 E0)``: each sum is within 15 ulp-units of its exact value,
+  so the sign is the exact comparison's); if any block of the tile is closer than that (exact or
+  near ties: ~never on real data, planted in the tests), the tile also computes the exact float64
+  difference ``sum n (A - B)(2u - A - B)`` (every term and partial sum exact) and those blocks use it.
 """
 
 import triton
@@ -64,16 +65,6 @@ def _div_rn(x, y, USE_ASM: tl.constexpr):
         )
     else:
         return tl.math.div_rn(x, y)  # the interpreter (numpy) divides exactly
-
-
-@triton.jit
-def _fma32(a, b, c, USE_ASM: tl.constexpr):
-    """fp32 ``RN(a * b + c)``, fused. The interpreter's fma rounds the product first, so there it is
-    emulated in float64 (exact for the operands used here: power-of-two ``b``)."""
-    if USE_ASM:
-        return tl.fma(a, b, c)
-    else:
-        return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
 
 
 @triton.jit
@@ -191,63 +182,6 @@ def _pow2(e):
 
 
 @triton.jit
-def _q(ax, inv, npe, ce, USE_ASM: tl.constexpr):
-    """E2M1 magnitude code (0..7) of ``|x| * 2^-e`` (RNE, saturating at 6) and ``d = |x| - dq``.
-
-    inv = 2^-e, npe = -2^e, ce = 127 + e (all per block).
-    """
-    # Binade of q = |x| * 2^-e above 1 (0 below): q < 12 for the values that occur (reg <= 3), more
-    # for a table entry whose magnitude does not occur; any reg >= 3 (q >= 8, step 2^(reg-1)) gives
-    # y - M in [8, 2^(reg+1)] and a code >= 8: both saturate to code 7 / value 6, as on the CPU.
-    reg = tl.maximum((ax.to(tl.int32, bitcast=True) >> 23) - ce, 0)
-    mb = (reg << 23) + (149 << 23)  # bits of M = 2^(22 + reg)
-    m = mb.to(tl.float32, bitcast=True)
-    y = _fma32(ax, inv, m, USE_ASM)
-    code = tl.minimum(y.to(tl.int32, bitcast=True) - (mb - 2 * reg), 7)
-    r = tl.minimum(y - m, 6.0)
-    return code, _fma32(r, npe, ax, USE_ASM)
-
-
-@triton.jit
-def _ent(x, n, M: tl.constexpr, inv, npe, ce, cw, sq, mx,
-         SQ: tl.constexpr, STATS: tl.constexpr, USE_ASM: tl.constexpr):
-    """Table entry ``M`` of a half under one exponent: its code goes to field M of ``cw``; ``sq``
-    (float64) gets ``n * d^2`` (exact product, one rounding: fma), ``mx`` max |d| over entries that
-    occur."""
-    code, d = _q(x, inv, npe, ce, USE_ASM)
-    cw += code << (4 * M)
-    if SQ:
-        d64 = d.to(tl.float64)
-        sq = tl.fma(n.to(tl.float64), d64 * d64, sq)
-    if STATS:
-        mx = tl.maximum(mx, tl.where(n > 0, tl.abs(d), 0.0))
-    return cw, sq, mx
-
-
-@triton.jit
-def _half(x1, x2, x3, x4, x5, x6, x7, n1, n2, n3, n4, n5, n6, n7, inv, npe, ce, sq, mx,
-          SQ: tl.constexpr, STATS: tl.constexpr, USE_ASM: tl.constexpr):
-    """One half's 7 nonzero magnitudes in order under one exponent -> (code word: field m holds the new
-    code of magnitude m, field 0 is 0), the running squared error and max |d|."""
-    cw = tl.zeros(inv.shape, tl.int32)
-    cw, sq, mx = _ent(x1, n1, 1, inv, npe, ce, cw, sq, mx, SQ, STATS, USE_ASM)
-    cw, sq, mx = _ent(x2, n2, 2, inv, npe, ce, cw, sq, mx, SQ, STATS, USE_ASM)
-    cw, sq, mx = _ent(x3, n3, 3, inv, npe, ce, cw, sq, mx, SQ, STATS, USE_ASM)
-    cw, sq, mx = _ent(x4, n4, 4, inv, npe, ce, cw, sq, mx, SQ, STATS, USE_ASM)
-    cw, sq, mx = _ent(x5, n5, 5, inv, npe, ce, cw, sq, mx, SQ, STATS, USE_ASM)
-    cw, sq, mx = _ent(x6, n6, 6, inv, npe, ce, cw, sq, mx, SQ, STATS, USE_ASM)
-    cw, sq, mx = _ent(x7, n7, 7, inv, npe, ce, cw, sq, mx, SQ, STATS, USE_ASM)
-    return cw, sq, mx
-
-
-@triton.jit
-def _sig(x, n, acc):
-    """acc + n * x^2 in float64 (x^2 and n * x^2 exact)."""
-    x64 = x.to(tl.float64)
-    return tl.fma(n.to(tl.float64), x64 * x64, acc)
-
-
-@triton.jit
 def _map_word(w, cw):
     """New magnitude codes of the 8 nibbles of ``w``: nibble P gets field ``mag(P)`` of ``cw``."""
     o = (cw >> ((w << 2) & 28)) & 7
@@ -261,28 +195,59 @@ def _map_word(w, cw):
     return o
 
 
+
 @triton.jit
-def _cand(a1, a2, a3, a4, a5, a6, a7, na1, na2, na3, na4, na5, na6, na7,
-          b1, b2, b3, b4, b5, b6, b7, nb1, nb2, nb3, nb4, nb5, nb6, nb7, e,
-          SQ: tl.constexpr, STATS: tl.constexpr, USE_ASM: tl.constexpr):
-    """One candidate exponent ``e`` over both halves' tables (a: half 0, b: half 1), in group order."""
-    inv = _pow2(-e)
-    npe = -_pow2(e)
-    ce = e + 127
-    sq = tl.zeros(inv.shape, tl.float64)
-    mx = tl.zeros(inv.shape, tl.float32)
-    cwa, sq, mx = _half(a1, a2, a3, a4, a5, a6, a7, na1, na2, na3, na4, na5, na6, na7,
-                        inv, npe, ce, sq, mx, SQ, STATS, USE_ASM)
-    cwb, sq, mx = _half(b1, b2, b3, b4, b5, b6, b7, nb1, nb2, nb3, nb4, nb5, nb6, nb7,
-                        inv, npe, ce, sq, mx, SQ, STATS, USE_ASM)
-    return cwa, cwb, sq, mx
+def _nf(n):
+    """float32(n) for 0 <= n < 2^23 without a conversion instruction: bits(2^23 + n) - 2^23."""
+    return (n | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _qd(ax, inv):
+    """Scaled value q = |x| * 2^-e, its E2M1 magnitude code (0..7, RNE, saturating at 6) and
+    d = q - r (r the grid value), all exact."""
+    q = ax * inv
+    reg = tl.maximum((q.to(tl.int32, bitcast=True) >> 23) - 127, 0)  # binade of q above 1 (0 below)
+    mb = (reg << 23) + (149 << 23)  # bits of M = 2^(22 + reg)
+    m = mb.to(tl.float32, bitcast=True)
+    y = q + m
+    code = tl.minimum(y.to(tl.int32, bitcast=True) - (mb - 2 * reg), 7)
+    r = tl.minimum(y - m, 6.0)
+    return q, code, r, q - r
+
+
+@triton.jit
+def _ent(ax, nf, pr, M: tl.constexpr, inv, cw, err, mx):
+    """Table entry of magnitude ``M`` under one exponent: its code into field M of ``cw``, the
+    float32 error sum ``err`` (contract order), ``mx`` = max |d| over entries that occur (pr = 1)."""
+    q, code, r, d = _qd(ax, inv)
+    cw += code << (4 * M)
+    err = err + nf * (d * d)
+    mx = tl.maximum(mx, tl.abs(d) * pr)
+    return cw, err, mx, q, r
+
+
+@triton.jit
+def _sig(q, nf, acc):
+    return acc + nf * (q * q)
+
+
+@triton.jit
+def _dterm(qb, ra, rb, nf, acc):
+    """acc + n * (A - B) * (2u - A - B) in float64 (u = qb, A = 2 ra, B = rb): all exact."""
+    a = ra + ra
+    c = (nf * (a - rb)).to(tl.float64)  # <= 16 * 12, a multiple of 1/2: exact in float32
+    u = qb.to(tl.float64)
+    v = (u + u) - (a + rb).to(tl.float64)
+    return acc + c * v
 
 
 @triton.jit
 def _block(w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe,
            RULE: tl.constexpr, DIVISOR: tl.constexpr, FAST_DIV: tl.constexpr, USE_ASM: tl.constexpr,
-           STATS: tl.constexpr):
-    """One 32-block per row: output words, E8M0 byte and the block's statistics."""
+           STATS: tl.constexpr, MSE_EXACT: tl.constexpr):
+    """One 32-block per lane: output words, E8M0 byte, the block's statistics. MSE_EXACT decides
+    every MSE block by the exact float64 difference (a test of that path; same bytes)."""
     s_a = _e4m3_f32(sb0)
     s_b = _e4m3_f32(sb1)
     sa = tl.abs(s_a)
@@ -325,19 +290,119 @@ def _block(w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe,
         e = _scale_exp(amax, 2)
     else:
         e = _scale_exp(amax, RULE)
-    cwa, cwb, sq, mx = _cand(a1, a2, a3, a4, a5, a6, a7, na1, na2, na3, na4, na5, na6, na7,
-                             b1, b2, b3, b4, b5, b6, b7, nb1, nb2, nb3, nb4, nb5, nb6, nb7, e,
-                             STATS or RULE == 3, STATS, USE_ASM)
+    zero = amax == 0.0
+    fa1 = _nf(na1)
+    fa2 = _nf(na2)
+    fa3 = _nf(na3)
+    fa4 = _nf(na4)
+    fa5 = _nf(na5)
+    fa6 = _nf(na6)
+    fa7 = _nf(na7)
+    fb1 = _nf(nb1)
+    fb2 = _nf(nb2)
+    fb3 = _nf(nb3)
+    fb4 = _nf(nb4)
+    fb5 = _nf(nb5)
+    fb6 = _nf(nb6)
+    fb7 = _nf(nb7)
+    pa1 = tl.minimum(fa1, 1.0)
+    pa2 = tl.minimum(fa2, 1.0)
+    pa3 = tl.minimum(fa3, 1.0)
+    pa4 = tl.minimum(fa4, 1.0)
+    pa5 = tl.minimum(fa5, 1.0)
+    pa6 = tl.minimum(fa6, 1.0)
+    pa7 = tl.minimum(fa7, 1.0)
+    pb1 = tl.minimum(fb1, 1.0)
+    pb2 = tl.minimum(fb2, 1.0)
+    pb3 = tl.minimum(fb3, 1.0)
+    pb4 = tl.minimum(fb4, 1.0)
+    pb5 = tl.minimum(fb5, 1.0)
+    pb6 = tl.minimum(fb6, 1.0)
+    pb7 = tl.minimum(fb7, 1.0)
+    inv = tl.where(zero, 0.0, _pow2(-e))  # an all-zero block: every q is 0
+    cwa = tl.zeros(inv.shape, tl.int32)
+    cwb = tl.zeros(inv.shape, tl.int32)
+    err = tl.zeros(inv.shape, tl.float32)
+    mx = tl.zeros(inv.shape, tl.float32)
+    cwa, err, mx, qa1, ra1 = _ent(a1, fa1, pa1, 1, inv, cwa, err, mx)
+    cwa, err, mx, qa2, ra2 = _ent(a2, fa2, pa2, 2, inv, cwa, err, mx)
+    cwa, err, mx, qa3, ra3 = _ent(a3, fa3, pa3, 3, inv, cwa, err, mx)
+    cwa, err, mx, qa4, ra4 = _ent(a4, fa4, pa4, 4, inv, cwa, err, mx)
+    cwa, err, mx, qa5, ra5 = _ent(a5, fa5, pa5, 5, inv, cwa, err, mx)
+    cwa, err, mx, qa6, ra6 = _ent(a6, fa6, pa6, 6, inv, cwa, err, mx)
+    cwa, err, mx, qa7, ra7 = _ent(a7, fa7, pa7, 7, inv, cwa, err, mx)
+    cwb, err, mx, qb1, rb1 = _ent(b1, fb1, pb1, 1, inv, cwb, err, mx)
+    cwb, err, mx, qb2, rb2 = _ent(b2, fb2, pb2, 2, inv, cwb, err, mx)
+    cwb, err, mx, qb3, rb3 = _ent(b3, fb3, pb3, 3, inv, cwb, err, mx)
+    cwb, err, mx, qb4, rb4 = _ent(b4, fb4, pb4, 4, inv, cwb, err, mx)
+    cwb, err, mx, qb5, rb5 = _ent(b5, fb5, pb5, 5, inv, cwb, err, mx)
+    cwb, err, mx, qb6, rb6 = _ent(b6, fb6, pb6, 6, inv, cwb, err, mx)
+    cwb, err, mx, qb7, rb7 = _ent(b7, fb7, pb7, 7, inv, cwb, err, mx)
+    sig = tl.zeros(inv.shape, tl.float32)
+    if STATS:
+        sig = _sig(qa1, fa1, sig)
+        sig = _sig(qa2, fa2, sig)
+        sig = _sig(qa3, fa3, sig)
+        sig = _sig(qa4, fa4, sig)
+        sig = _sig(qa5, fa5, sig)
+        sig = _sig(qa6, fa6, sig)
+        sig = _sig(qa7, fa7, sig)
+        sig = _sig(qb1, fb1, sig)
+        sig = _sig(qb2, fb2, sig)
+        sig = _sig(qb3, fb3, sig)
+        sig = _sig(qb4, fb4, sig)
+        sig = _sig(qb5, fb5, sig)
+        sig = _sig(qb6, fb6, sig)
+        sig = _sig(qb7, fb7, sig)
+    sig_e = e  # sig is taken in this exponent's domain (4^e scaling commutes with its roundings)
     if RULE == 3:
-        # MSE: RCEIL - 1 only if its error is strictly lower (ties go to RCEIL).
-        e1 = tl.where(amax == 0.0, 0, tl.maximum(e - 1, -127))
-        cwa1, cwb1, sq1, mx1 = _cand(a1, a2, a3, a4, a5, a6, a7, na1, na2, na3, na4, na5, na6, na7,
-                                     b1, b2, b3, b4, b5, b6, b7, nb1, nb2, nb3, nb4, nb5, nb6, nb7, e1,
-                                     True, STATS, USE_ASM)
-        pick = sq1 < sq
-        cwa = tl.where(pick, cwa1, cwa)
-        cwb = tl.where(pick, cwb1, cwb)
-        sq = tl.where(pick, sq1, sq)
+        # MSE: RCEIL - 1 only if its exact squared error is strictly lower (ties go to RCEIL).
+        e1 = tl.where(zero, 0, tl.maximum(e - 1, -127))
+        inv1 = tl.where(zero, 0.0, _pow2(-e1))
+        dwa = tl.zeros(inv.shape, tl.int32)
+        dwb = tl.zeros(inv.shape, tl.int32)
+        err1 = tl.zeros(inv.shape, tl.float32)
+        mx1 = tl.zeros(inv.shape, tl.float32)
+        dwa, err1, mx1, ua1, sa1 = _ent(a1, fa1, pa1, 1, inv1, dwa, err1, mx1)
+        dwa, err1, mx1, ua2, sa2 = _ent(a2, fa2, pa2, 2, inv1, dwa, err1, mx1)
+        dwa, err1, mx1, ua3, sa3 = _ent(a3, fa3, pa3, 3, inv1, dwa, err1, mx1)
+        dwa, err1, mx1, ua4, sa4 = _ent(a4, fa4, pa4, 4, inv1, dwa, err1, mx1)
+        dwa, err1, mx1, ua5, sa5 = _ent(a5, fa5, pa5, 5, inv1, dwa, err1, mx1)
+        dwa, err1, mx1, ua6, sa6 = _ent(a6, fa6, pa6, 6, inv1, dwa, err1, mx1)
+        dwa, err1, mx1, ua7, sa7 = _ent(a7, fa7, pa7, 7, inv1, dwa, err1, mx1)
+        dwb, err1, mx1, ub1, sb1_ = _ent(b1, fb1, pb1, 1, inv1, dwb, err1, mx1)
+        dwb, err1, mx1, ub2, sb2_ = _ent(b2, fb2, pb2, 2, inv1, dwb, err1, mx1)
+        dwb, err1, mx1, ub3, sb3_ = _ent(b3, fb3, pb3, 3, inv1, dwb, err1, mx1)
+        dwb, err1, mx1, ub4, sb4_ = _ent(b4, fb4, pb4, 4, inv1, dwb, err1, mx1)
+        dwb, err1, mx1, ub5, sb5_ = _ent(b5, fb5, pb5, 5, inv1, dwb, err1, mx1)
+        dwb, err1, mx1, ub6, sb6_ = _ent(b6, fb6, pb6, 6, inv1, dwb, err1, mx1)
+        dwb, err1, mx1, ub7, sb7_ = _ent(b7, fb7, pb7, 7, inv1, dwb, err1, mx1)
+        e0x4 = err * 4.0  # exact
+        diff = err1 - e0x4
+        tot = err1 + e0x4
+        differ = e1 != e
+        unsure = differ & ((tl.abs(diff) <= tot * 3.814697265625e-06) | MSE_EXACT)  # 2^-18
+        pick = differ & (diff < 0.0)
+        if tl.max(unsure.to(tl.int32)) > 0:
+            dd = tl.zeros(inv.shape, tl.float64)
+            dd = _dterm(ua1, ra1, sa1, fa1, dd)
+            dd = _dterm(ua2, ra2, sa2, fa2, dd)
+            dd = _dterm(ua3, ra3, sa3, fa3, dd)
+            dd = _dterm(ua4, ra4, sa4, fa4, dd)
+            dd = _dterm(ua5, ra5, sa5, fa5, dd)
+            dd = _dterm(ua6, ra6, sa6, fa6, dd)
+            dd = _dterm(ua7, ra7, sa7, fa7, dd)
+            dd = _dterm(ub1, rb1, sb1_, fb1, dd)
+            dd = _dterm(ub2, rb2, sb2_, fb2, dd)
+            dd = _dterm(ub3, rb3, sb3_, fb3, dd)
+            dd = _dterm(ub4, rb4, sb4_, fb4, dd)
+            dd = _dterm(ub5, rb5, sb5_, fb5, dd)
+            dd = _dterm(ub6, rb6, sb6_, fb6, dd)
+            dd = _dterm(ub7, rb7, sb7_, fb7, dd)
+            pick = tl.where(unsure, dd < 0.0, pick)
+        cwa = tl.where(pick, dwa, cwa)
+        cwb = tl.where(pick, dwb, cwb)
+        err = tl.where(pick, err1, err)
         mx = tl.where(pick, mx1, mx)
         e = tl.where(pick, e1, e)
     # Sign bits: nibble sign ^ sign(s_half) ^ sign(g), 8 nibbles per XOR.
@@ -348,105 +413,74 @@ def _block(w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe,
     o1 = _map_word(w1, cwa) ^ ((w1 & -2004318072) ^ n_a)
     o2 = _map_word(w2, cwb) ^ ((w2 & -2004318072) ^ n_b)
     o3 = _map_word(w3, cwb) ^ ((w3 & -2004318072) ^ n_b)
-    sig = tl.zeros(g.shape, tl.float64)
-    if STATS:
-        sig = _sig(a1, na1, sig)
-        sig = _sig(a2, na2, sig)
-        sig = _sig(a3, na3, sig)
-        sig = _sig(a4, na4, sig)
-        sig = _sig(a5, na5, sig)
-        sig = _sig(a6, na6, sig)
-        sig = _sig(a7, na7, sig)
-        sig = _sig(b1, nb1, sig)
-        sig = _sig(b2, nb2, sig)
-        sig = _sig(b3, nb3, sig)
-        sig = _sig(b4, nb4, sig)
-        sig = _sig(b5, nb5, sig)
-        sig = _sig(b6, nb6, sig)
-        sig = _sig(b7, nb7, sig)
+    sq = err.to(tl.float64) * _pow2_64(2 * e)
+    sg = sig.to(tl.float64) * _pow2_64(2 * sig_e)
+    mx64 = mx.to(tl.float64) * _pow2_64(e)
     clipped = (amax * _pow2(-e) > 6.0).to(tl.int32)
-    exact = (sq == 0.0).to(tl.int32)
-    return o0, o1, o2, o3, e + 127, sq, sig, mx, clipped, exact
+    exact = (mx == 0.0).to(tl.int32)
+    return o0, o1, o2, o3, e + 127, sq, sg, mx64, clipped, exact
 
 
 @triton.jit
-def _ld(in_row, sc_row, j, c4, c2, m):
-    """Block ``j`` of every row: its 4 packed words [ROWS, 4] and 2 E4M3 bytes [ROWS, 2]."""
-    wt = tl.load(in_row[:, None] + (j * 4 + c4)[None, :], mask=m, other=0)
-    st = tl.load(sc_row[:, None] + (j * 2 + c2)[None, :], mask=m, other=0)
+def _pow2_64(k):
+    """2^k as float64 for int32 k in [-1022, 1023]."""
+    return ((k.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _lanes(v):
+    """0 + v[:, 0] + v[:, 1] + ... + v[:, 7], in lane order (v [ROWS, 8] float64)."""
+    e, o = tl.split(tl.reshape(v, [v.shape[0], 2, 2, 2]))  # t = 4i + 2j + k: split k, then j, then i
+    ee, eo = tl.split(e)
+    oe, oo = tl.split(o)
+    v0, v4 = tl.split(ee)
+    v2, v6 = tl.split(eo)
+    v1, v5 = tl.split(oe)
+    v3, v7 = tl.split(oo)
+    return (((((((0.0 + v0) + v1) + v2) + v3) + v4) + v5) + v6) + v7
+
+
+@triton.jit
+def _tile_ld(in_row, sc_row, j0, cw, cs, m3):
+    """Blocks ``j0 .. j0 + 7`` of every row: words [ROWS, 8, 4], E4M3 bytes [ROWS, 8, 2] (masked
+    blocks read as 0: an all-zero block)."""
+    wt = tl.load(in_row[:, None, None] + (j0 * 4 + cw), mask=m3, other=0)
+    st = tl.load(sc_row[:, None, None] + (j0 * 2 + cs), mask=m3, other=0)
     return wt, st
 
 
 @triton.jit
-def _ld_tile(in_row, sc_row, j0, c4, c2, m, TILE: tl.constexpr):
-    """Blocks ``j0 .. j0 + TILE - 1`` of every row, all loads issued together (unused slots repeat
-    block j0 and are never computed)."""
-    w0, s0 = _ld(in_row, sc_row, j0, c4, c2, m)
-    w1, s1 = w0, s0
-    w2, s2 = w0, s0
-    w3, s3 = w0, s0
-    if TILE >= 2:
-        w1, s1 = _ld(in_row, sc_row, j0 + 1, c4, c2, m)
-    if TILE == 4:
-        w2, s2 = _ld(in_row, sc_row, j0 + 2, c4, c2, m)
-        w3, s3 = _ld(in_row, sc_row, j0 + 3, c4, c2, m)
-    return w0, s0, w1, s1, w2, s2, w3, s3
-
-
-@triton.jit
-def _tile(w0, s0, w1, s1, w2, s2, w3, s3, j0, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
-          rsq, rsig, rmx, rclip, rexact,
-          ROWS: tl.constexpr, RULE: tl.constexpr, DIVISOR: tl.constexpr, FAST_DIV: tl.constexpr,
-          USE_ASM: tl.constexpr, STATS: tl.constexpr, TILE: tl.constexpr):
-    """The TILE loaded blocks, in order (the row sums stay sequential over blocks)."""
-    rsq, rsig, rmx, rclip, rexact = _step(w0, s0, j0, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
-                                          rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
-    if TILE >= 2:
-        rsq, rsig, rmx, rclip, rexact = _step(w1, s1, j0 + 1, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
-                                              rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM,
-                                              STATS)
-    if TILE == 4:
-        rsq, rsig, rmx, rclip, rexact = _step(w2, s2, j0 + 2, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
-                                              rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM,
-                                              STATS)
-        rsq, rsig, rmx, rclip, rexact = _step(w3, s3, j0 + 3, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
-                                              rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM,
-                                              STATS)
-    return rsq, rsig, rmx, rclip, rexact
-
-
-@triton.jit
-def _step(wt, st, j, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
-          rsq, rsig, rmx, rclip, rexact,
-          ROWS: tl.constexpr, RULE: tl.constexpr, DIVISOR: tl.constexpr, FAST_DIV: tl.constexpr,
-          USE_ASM: tl.constexpr, STATS: tl.constexpr):
-    """Block ``j`` of every row, from its loaded words ``wt`` [ROWS, 4] and scale bytes ``st``
-    [ROWS, 2]: store the codes and the E8M0 byte, fold the block statistics into the row sums."""
-    w02, w13 = tl.split(tl.reshape(wt, [ROWS, 2, 2]))
+def _tile(wt, st, j0, g, g_abs, inv_g, safe, out_row, osc_row, cw, m3, m2,
+          lsq, lsig, lmx, lclip, lexact,
+          ROWS: tl.constexpr, RULE: tl.constexpr, DIVISOR: tl.constexpr,
+          FAST_DIV: tl.constexpr, USE_ASM: tl.constexpr, STATS: tl.constexpr, MSE_EXACT: tl.constexpr):
+    """Compute a loaded tile (one block per lane), store it, add its statistics to the lane sums
+    (each lane owns every 8th block of its row: no exchange between threads)."""
+    w02, w13 = tl.split(tl.reshape(wt, [ROWS, 8, 2, 2]))
     w0, w2 = tl.split(w02)
     w1, w3 = tl.split(w13)
     sb0, sb1 = tl.split(st.to(tl.int32))
     o0, o1, o2, o3, ebyte, sq, sig, mx, clipped, exact = _block(
-        w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS)
-    ot = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), [ROWS, 4])
-    tl.store(out_row[:, None] + (j * 4 + c4)[None, :], ot, mask=m2)
-    tl.store(osc_row + j, ebyte.to(tl.uint8), mask=rmask)
+        w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS, MSE_EXACT)
+    ot = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), [ROWS, 8, 4])
+    tl.store(out_row[:, None, None] + (j0 * 4 + cw), ot, mask=m3)
+    tl.store(osc_row[:, None] + (j0 + tl.arange(0, 8))[None, :], ebyte.to(tl.uint8), mask=m2)
     if STATS:
-        # Row sums, sequential over blocks.
-        rsq = rsq + sq
-        rsig = rsig + sig
-        rmx = tl.maximum(rmx, mx)
-        rclip = rclip + clipped
-        rexact = rexact + exact
-    return rsq, rsig, rmx, rclip, rexact
+        lsq = lsq + sq  # masked blocks are all-zero blocks: they add +0 and nothing is clipped
+        lsig = lsig + sig
+        lmx = tl.maximum(lmx, mx)
+        lclip = lclip + clipped
+        lexact = lexact + tl.where(m2, exact, 0)
+    return lsq, lsig, lmx, lclip, lexact
 
 
 @triton.jit
 def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
                         s_in, s_sc, s_out, s_osc,
-                        RULE: tl.constexpr, DIVISOR: tl.constexpr, TILE: tl.constexpr,
+                        RULE: tl.constexpr, DIVISOR: tl.constexpr,
                         ROWS: tl.constexpr, USE_ASM: tl.constexpr, STATS: tl.constexpr = True,
-                        FAST_DIV: tl.constexpr = True, PREFETCH: tl.constexpr = False):
+                        FAST_DIV: tl.constexpr = True, PREFETCH: tl.constexpr = False,
+                        MSE_EXACT: tl.constexpr = False):
     """Requantize rows ``[pid*ROWS, pid*ROWS + ROWS)``; see the module docstring.
 
     in_ptr:  int32 [R, NB*4] packed NVFP4 words (row stride ``s_in`` words)
@@ -455,55 +489,59 @@ def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
     out_ptr: int32 [R, NB*4] packed MXFP4 words (row stride ``s_out``)
     osc_ptr: uint8 [R, NB] E8M0 bytes (row stride ``s_osc``)
     st_ptr:  fp64  [R, 5] (sq_err, signal, max_abs_err, clipped_blocks, exact_blocks)
-    NB must be a multiple of TILE (1, 2 or 4 blocks per row loaded at once, then computed in order).
-    PREFETCH loads tile t+1 while tile t is computed. STATS=False (a benchmark diagnostic) skips the statistics
-    and leaves st_ptr untouched. FAST_DIV=False always uses ``div.rn.f32`` for the divisor.
+    Each step computes 8 blocks of every row, one per lane (the last step masked when 8 does not
+    divide NB). PREFETCH loads step t+1 while step t is computed. STATS=False (a benchmark
+    diagnostic) skips the statistics and leaves st_ptr untouched. FAST_DIV=False always uses
+    ``div.rn.f32`` for the divisor. MSE_EXACT=True takes MSE's exact decision path for every block
+    (a test of that path).
     """
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     rmask = rows < R
     r64 = rows.to(tl.int64)
-    g = tl.load(g_ptr + rows, mask=rmask, other=1.0)
+    g1 = tl.load(g_ptr + rows, mask=rmask, other=1.0)
+    g = g1[:, None]
     g_abs = tl.abs(g)
     inv_g = g_abs
     safe = False
     if DIVISOR and FAST_DIV:
         inv_g = _div_rn(tl.full(g.shape, 1.0, tl.float32), g_abs, USE_ASM)  # RN(1/|g|) per row
-        ok = (g_abs >= 7.888609052210118e-31) & (g_abs <= 1.2676506002282294e30)  # 2^-100, 2^100
+        ga1 = tl.abs(g1)
+        ok = (ga1 >= 7.888609052210118e-31) & (ga1 <= 1.2676506002282294e30)  # 2^-100, 2^100
         safe = tl.min(tl.where(rmask, ok, True).to(tl.int32), axis=0) == 1
     in_row = in_ptr + r64 * s_in
     sc_row = sc_ptr + r64 * s_sc
     out_row = out_ptr + r64 * s_out
     osc_row = osc_ptr + r64 * s_osc
-    c4 = tl.arange(0, 4)
-    c2 = tl.arange(0, 2)
-    m2 = rmask[:, None]
-    rsq = tl.zeros([ROWS], tl.float64)
-    rsig = tl.zeros([ROWS], tl.float64)
-    rmx = tl.zeros([ROWS], tl.float32)
-    rclip = tl.zeros([ROWS], tl.int32)
-    rexact = tl.zeros([ROWS], tl.int32)
-    # Loads of a tile (TILE blocks per row) are issued before any store of the tile (the output may
-    # alias the input as far as the compiler knows, so a load after a store cannot be hoisted);
-    # PREFETCH also issues the next tile's loads before the current tile is computed.
+    cb = tl.arange(0, 8)
+    cw = (cb * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    cs = (cb * 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
+    lsq = tl.zeros([ROWS, 8], tl.float64)
+    lsig = tl.zeros([ROWS, 8], tl.float64)
+    lmx = tl.zeros([ROWS, 8], tl.float64)
+    lclip = tl.zeros([ROWS, 8], tl.int32)
+    lexact = tl.zeros([ROWS, 8], tl.int32)
     if PREFETCH:
-        w0, s0, w1, s1, w2, s2, w3, s3 = _ld_tile(in_row, sc_row, 0, c4, c2, m2, TILE)
-        for j0 in range(0, NB, TILE):
-            n0, t0, n1, t1, n2, t2, n3, t3 = _ld_tile(in_row, sc_row, j0 + TILE, c4, c2, m2 & (j0 + TILE < NB), TILE)
-            rsq, rsig, rmx, rclip, rexact = _tile(
-                w0, s0, w1, s1, w2, s2, w3, s3, j0, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
-                rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS, TILE)
-            w0, s0, w1, s1, w2, s2, w3, s3 = n0, t0, n1, t1, n2, t2, n3, t3
+        m2 = rmask[:, None] & (cb < NB)[None, :]
+        wt, st = _tile_ld(in_row, sc_row, 0, cw, cs, m2[:, :, None])
+        for j0 in range(0, NB, 8):
+            m2n = rmask[:, None] & (j0 + 8 + cb < NB)[None, :]
+            wn, sn = _tile_ld(in_row, sc_row, j0 + 8, cw, cs, m2n[:, :, None])
+            lsq, lsig, lmx, lclip, lexact = _tile(
+                wt, st, j0, g, g_abs, inv_g, safe, out_row, osc_row, cw, m2[:, :, None], m2,
+                lsq, lsig, lmx, lclip, lexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS, MSE_EXACT)
+            wt, st, m2 = wn, sn, m2n
     else:
-        for j0 in range(0, NB, TILE):
-            w0, s0, w1, s1, w2, s2, w3, s3 = _ld_tile(in_row, sc_row, j0, c4, c2, m2, TILE)
-            rsq, rsig, rmx, rclip, rexact = _tile(
-                w0, s0, w1, s1, w2, s2, w3, s3, j0, g, g_abs, inv_g, safe, out_row, osc_row, c4, m2, rmask,
-                rsq, rsig, rmx, rclip, rexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS, TILE)
+        for j0 in range(0, NB, 8):
+            m2 = rmask[:, None] & (j0 + cb < NB)[None, :]
+            wt, st = _tile_ld(in_row, sc_row, j0, cw, cs, m2[:, :, None])
+            lsq, lsig, lmx, lclip, lexact = _tile(
+                wt, st, j0, g, g_abs, inv_g, safe, out_row, osc_row, cw, m2[:, :, None], m2,
+                lsq, lsig, lmx, lclip, lexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS, MSE_EXACT)
     if STATS:
         st_row = st_ptr + r64 * 5
-        tl.store(st_row, rsq, mask=rmask)
-        tl.store(st_row + 1, rsig, mask=rmask)
-        tl.store(st_row + 2, rmx.to(tl.float64), mask=rmask)
-        tl.store(st_row + 3, rclip.to(tl.float64), mask=rmask)
-        tl.store(st_row + 4, rexact.to(tl.float64), mask=rmask)
+        tl.store(st_row, _lanes(lsq), mask=rmask)
+        tl.store(st_row + 1, _lanes(lsig), mask=rmask)
+        tl.store(st_row + 2, tl.max(lmx, axis=1), mask=rmask)
+        tl.store(st_row + 3, tl.sum(lclip, axis=1).to(tl.float64), mask=rmask)
+        tl.store(st_row + 4, tl.sum(lexact, axis=1).to(tl.float64), mask=rmask)

@@ -146,7 +146,9 @@ int mxfp4conv_requant_rows(const uint8_t *packed, const float *s, const float *g
         const float gv = g[row];
         const float ga = fabsf(gv);
         const int gneg = signbit(gv) != 0;
-        double rsq = 0.0, rsig = 0.0, rmx = 0.0, rclip = 0.0, rexact = 0.0;
+        /* Row sums in 8 lanes: block j into lane j % 8, the lanes added in order at the end. */
+        double lsq[8] = {0, 0, 0, 0, 0, 0, 0, 0}, lsig[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        double rmx = 0.0, rclip = 0.0, rexact = 0.0;
         for (int64_t j = 0; j < nb; j++) {
             const uint8_t *pb = packed + row * kh + j * 16;
             uint8_t *ob = out + row * kh + j * 16;
@@ -219,10 +221,15 @@ int mxfp4conv_requant_rows(const uint8_t *packed, const float *s, const float *g
             scales_out[row * nb + j] = (uint8_t)(e + 127);
             rclip += amax > six_pow2f(e);
             rexact += mx == 0.0f;
-            rsq += (double)err * s4;
-            rsig += (double)fold32(qt, n) * s4;
+            lsq[j & 7] += (double)err * s4;
+            lsig[j & 7] += (double)fold32(qt, n) * s4;
             const double mxd = (double)mx * pow2d(e);
             rmx = mxd > rmx ? mxd : rmx;
+        }
+        double rsq = 0.0, rsig = 0.0;
+        for (int t = 0; t < 8; t++) {
+            rsq += lsq[t];
+            rsig += lsig[t];
         }
         double *st = row_stats + row * 5;
         st[0] = rsq;

@@ -40,25 +40,21 @@ _STATS = 5  # sq_err, signal, max_abs_err, clipped_blocks, exact_blocks
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch shape: ``num_warps`` warps of 32 threads, one row per thread (0: chosen per call
-    from R and the SM count, see ``auto_num_warps``); ``blocks_per_iter`` 32-blocks per row loaded
-    at once, then computed in order (1, 2 or 4; used when it divides K/32, else 4, 2 or 1)."""
+    """Launch shape: a program of ``num_warps`` warps walks ``rows`` rows (a power of two; 0:
+    ``8 * num_warps``, two blocks per thread per step), 8 32-blocks of each row per step, one per
+    lane. ``num_warps`` 0: chosen per call from R and the SM count (``auto_num_warps``)."""
 
     num_warps: int = 0
-    blocks_per_iter: int = 1
     fast_div: bool = True  # divisor convention: Markstein correction when |g| is in [2^-100, 2^100]
     prefetch: bool = False  # load tile t+1 while tile t computes
+    rows: int = 0
+    mse_exact: bool = False  # a test knob: every MSE block through the exact decision (same bytes)
 
 
 def default_config(rule: object) -> KernelConfig:
-    """The launch shape measured fastest on an H200 (BENCHMARKS.md): tiles of 2 blocks per row with
-    the next tile prefetched (EVEN 586 -> 922 G weights/s against the one-block loop, per-weight
-    kernel). MSE keeps 4 warps per program: best for the per-weight kernel (556 against 491 with 8),
-    and equal within the spread for the table-based one (652 against 661 with 8); the other rules
-    take the occupancy-based choice of ``auto_num_warps``."""
-    if rule_id(rule) == _RULE_IDS["mse"]:
-        return KernelConfig(num_warps=4, blocks_per_iter=2, prefetch=True)
-    return KernelConfig(blocks_per_iter=2, prefetch=True)
+    """The launch shape measured fastest on an H200 (BENCHMARKS.md, eighth session)."""
+    del rule
+    return KernelConfig(num_warps=4, prefetch=True, rows=16)
 
 
 def triton_available() -> bool:
@@ -126,14 +122,6 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
-def _blocks_per_iter(nb: int, want: int) -> int:
-    """The tile (blocks loaded at once per row): ``want`` if the kernel has it and it divides NB."""
-    for cb in (want, 4, 2, 1):
-        if cb in (1, 2, 4) and nb % cb == 0:
-            return cb
-    return 1
-
-
 def requant_rows_into(
     packed: torch.Tensor,
     scales_e4m3: torch.Tensor,
@@ -163,8 +151,8 @@ def requant_rows_into(
     nb = k // 32
     cfg = config or default_config(rule)
     if cfg.num_warps <= 0:
-        nw = 32 if _interpret() else auto_num_warps(r, _sm_count(packed.device.index or 0))
-        cfg = KernelConfig(nw, cfg.blocks_per_iter, cfg.fast_div, cfg.prefetch)
+        nw = 4 if _interpret() else auto_num_warps(r, _sm_count(packed.device.index or 0))
+        cfg = KernelConfig(nw, cfg.fast_div, cfg.prefetch, cfg.rows, cfg.mse_exact)
     if packed_out.stride(-1) != 1 or packed_out.stride(0) % 16 or packed_out.data_ptr() % 16:
         raise ValueError("packed_out must be row-contiguous with 16-byte aligned rows")
     if scales_out.stride(-1) != 1 or not row_stats.is_contiguous():
@@ -175,15 +163,16 @@ def requant_rows_into(
         sc = sc.contiguous()
     g = global_rows.contiguous()
     w_out = packed_out.view(torch.int32)
-    rows = 32 * cfg.num_warps
+    rows = cfg.rows or max(1, 8 * cfg.num_warps)
+    if rows & (rows - 1):
+        raise ValueError(f"rows per program must be a power of two, got {rows}")
     grid = (triton_cdiv(r, rows),)
     _jit().requant_rows_kernel[grid](
         w_in, sc, g, w_out, scales_out, row_stats, r, nb,
         w_in.stride(0), sc.stride(0), w_out.stride(0), scales_out.stride(0),
         RULE=rule_id(rule), DIVISOR=bool(divisor),
-        TILE=_blocks_per_iter(nb, cfg.blocks_per_iter),
         ROWS=rows, USE_ASM=not _interpret(), STATS=bool(stats), FAST_DIV=cfg.fast_div,
-        PREFETCH=cfg.prefetch,
+        PREFETCH=cfg.prefetch, MSE_EXACT=cfg.mse_exact,
         num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=False,
     )
 
