@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -39,11 +40,12 @@ def tree(root: Path) -> dict[str, str]:
 STAGES: dict[str, dict[str, float]] = {}
 
 
-def conv(src: Path, dst: Path, *flags: str) -> float:
+def conv(src: Path, dst: Path, *flags: str, env: dict[str, str] | None = None) -> float:
     """Wall seconds of one CLI conversion; its --json per-stage seconds go to STAGES[dst.name]."""
     t = time.perf_counter()
     out = subprocess.run([PY, "-m", "mxfp4conv", "convert", str(src), str(dst), "--to", "ct", "--json", *flags],
-                         check=True, capture_output=True, text=True).stdout
+                         check=True, capture_output=True, text=True,
+                         env={**os.environ, **(env or {})}).stdout
     wall = time.perf_counter() - t
     STAGES[dst.name] = {k: round(v, 2) for k, v in json.loads(out).get("seconds", {}).items()}
     return wall
@@ -58,6 +60,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="cp / convert pairs, alternating (each its own ratio)")
     ap.add_argument("--skip-verify", action="store_true", help="do not time `mxfp4conv verify` afterwards")
     ap.add_argument("--src", type=Path, help="convert this NVFP4 checkpoint (kept) instead of generating one")
+    ap.add_argument("--hashers", default="", help="comma list of MXFP4CONV_HASHER values, alternated within each round")
     args = ap.parse_args()
     log = open(args.out / "device_e2e.jsonl", "w")  # noqa: SIM115
 
@@ -73,7 +76,8 @@ def main() -> None:
     # 1. byte-identity: CPU vs one GPU vs every GPU, on a one-layer Qwen3-30B-A3B-like NVFP4 checkpoint
     if not args.skip_identity:
         identity(w, emit)
-    big(w, args.layers, emit, args.rounds, not args.skip_verify, args.src)
+    hashers = [h for h in args.hashers.split(",") if h] or [""]
+    big(w, args.layers, emit, args.rounds, not args.skip_verify, args.src, hashers)
     shutil.rmtree(w, ignore_errors=True)
 
 
@@ -88,9 +92,11 @@ def identity(w: Path, emit: Any) -> None:
     shutil.rmtree(w / "small")
 
 
-def big(w: Path, layers: int, emit: Any, rounds: int = 1, verify: bool = True, src: Path | None = None) -> None:
+def big(w: Path, layers: int, emit: Any, rounds: int = 1, verify: bool = True, src: Path | None = None,
+        hashers: list[str] | None = None) -> None:
     """2. throughput against cp of the same files (warm page cache), >= 4 GB; ``rounds`` alternating
-    cp / convert pairs, each reported with its own ratio (these hosts' disks are noisy)."""
+    cp / convert pairs, each reported with its own ratio (these hosts' disks are noisy); with
+    ``hashers``, one pair per MXFP4CONV_HASHER value in each round ("" = the default)."""
     if src is None:
         src = generate(w / "big", "modelopt-nvfp4", layers)
     else:
@@ -102,15 +108,16 @@ def big(w: Path, layers: int, emit: Any, rounds: int = 1, verify: bool = True, s
     shutil.rmtree(w / "cp0")
     weights = layers * 128 * 3 * 2048 * 768
     startup = run([PY, "-c", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"])
-    for r in range(rounds):
+    for r, hasher in ((r, h) for r in range(rounds) for h in (hashers or [""])):
         shutil.rmtree(w / "cp", ignore_errors=True)
         shutil.rmtree(w / "out", ignore_errors=True)
         run(["sync"])
         t_cp = run(["cp", "-r", str(src), str(w / "cp")]) + run(["sync"])
-        t_conv = conv(src, w / "out", "--device", "cuda", "--no-verify")
+        t_conv = conv(src, w / "out", "--device", "cuda", "--no-verify",
+                      env={"MXFP4CONV_HASHER": hasher} if hasher else None)
         t_ver = run([PY, "-m", "mxfp4conv", "verify", str(src), str(w / "out"), "--device", "cuda", "--json"]) if verify else None
         stages = STAGES.get("out", {})
-        emit(case="nvfp4 -> mxfp4 end to end, all GPUs", round=r + 1, layers=layers, gb=round(size / 1e9, 2),
+        emit(case="nvfp4 -> mxfp4 end to end, all GPUs", round=r + 1, hasher=hasher or "default", layers=layers, gb=round(size / 1e9, 2),
              gweights=round(weights / 1e9, 2), cp_s=round(t_cp, 2), convert_s=round(t_conv, 2),
              throughput_vs_cp=round(t_cp / t_conv, 3), in_process_s=stages.get("total"),
              in_process_vs_cp=round(t_cp / stages["total"], 3) if stages.get("total") else None,
