@@ -9,16 +9,17 @@ Row-level contract shared by the CPU path (``requant_rows_cpu``) and the GPU ker
             row_stats [R, 5] float64 = (sq_err, signal, max_abs_err, clipped_blocks, exact_blocks))
 
 i.e. ``quantize_mxfp4_with_stats(dequantize_nvfp4(...), rule, requant_groups(packed))`` with the block
-statistics folded per row: block sums in group order (NUMERICS.md "Block sums"), sq_err / signal
-summed sequentially over the row's blocks, max_abs_err the max, the two counts.
+statistics folded per row: float32 block sums in group order (NUMERICS.md "Block statistics"), sq_err /
+signal summed in the 8 lanes of "Row sums", max_abs_err the max, the two counts; MSE's choice is exact
+("MSE decision").
 
 The CPU paths never expand a tensor to fp32: within a 16-element NVFP4 block every value is one of 8
 magnitudes ``round(e2m1[m] * s * g)`` (sign-symmetric), so all float work (scale choice, E2M1 rounding,
-float64 errors) runs on per-block tables of 8 entries per 16 weights; per weight only its magnitude
+errors) runs on per-block tables of 8 entries per 16 weights; per weight only its magnitude
 is counted and its new code looked up. Two implementations, bit-identical: the compiled kernel
 (``mxfp4conv.kernels.requant_native``, C through ctypes, the default when a C compiler is found) and
-the eager-torch path (``bincount`` for the counts, ``cumsum``, a sequential scan on the CPU, for the
-group sums). Rows are processed in slabs of ~128K weights (cache-resident) on worker threads; while
+the eager-torch path (``bincount`` for the counts, explicit float32 loops for the block sums, ``cumsum``,
+a sequential scan on the CPU, for the float64 row sums). Rows are processed in slabs of ~128K weights (cache-resident) on worker threads; while
 they run, torch's intra-op thread count is set to 1 (process-wide), so do not run other torch work
 concurrently.
 """

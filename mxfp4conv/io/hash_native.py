@@ -11,9 +11,9 @@ on load, and by tests).
 ``sha256()`` returns a ``NativeSha256``, or a ``hashlib.sha256()`` when the native one cannot be had
 (no C compiler, no libcrypto, a build error, a failed self-check). ``MXFP4CONV_HASHER`` chooses:
 ``auto`` (default: native when it loads), ``native`` (it must load: failing to is an error),
-``hashlib``. The build uses the C compiler and the per-user cache of the CPU requant kernel
-(mxfp4conv/kernels/requant_native.py: ``$CC`` / cc / gcc / clang, ``$MXFP4CONV_CACHE_DIR``), a file
-named by the hash of the source and flags, written to a temporary name and renamed into place.
+``hashlib``. The build is the CPU requant kernel's (``requant_native.build_shared_library``: ``$CC`` /
+cc / gcc / clang, the per-user cache ``$MXFP4CONV_CACHE_DIR``, a file named by the hash of the source
+and flags, written to a temporary name and renamed into place).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import ctypes
 import ctypes.util
 import hashlib
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -156,21 +155,6 @@ def buffer(size: int = CHUNK) -> ctypes.Array[ctypes.c_char]:
     return ctypes.create_string_buffer(size)
 
 
-def _build(cc: str, dest: Path) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(prefix=dest.name + ".", suffix=".tmp", dir=dest.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *CFLAGS, str(_SOURCE), "-o", tmp],
-                              capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
-        if proc.returncode != 0:
-            raise OSError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _self_check(native: _Native) -> None:
     """Digests of ranges read in several chunks, with a short last one, equal to hashlib's."""
     data = bytes(range(256)) * 41 + b"\xff\x01\x02"  # 10,499 bytes
@@ -186,7 +170,7 @@ def _self_check(native: _Native) -> None:
 
 
 def _load_uncached() -> _Native:
-    from mxfp4conv.kernels.requant_native import _cache_dir, _compiler  # the same compiler and cache
+    from mxfp4conv.kernels.requant_native import build_shared_library  # the same compiler and cache
 
     if not sys.platform.startswith("linux") and sys.platform != "darwin":
         raise OSError(f"no native hasher on {sys.platform}")
@@ -194,29 +178,7 @@ def _load_uncached() -> _Native:
     if crypto_path is None:
         raise OSError("no libcrypto found")
     crypto = ctypes.CDLL(crypto_path)
-    cc = _compiler()
-    key = hashlib.sha256(_SOURCE.read_bytes() + "\0".join(CFLAGS).encode()).hexdigest()[:16]
-    name = f"hash_native-{key}-{platform.system().lower()}-{platform.machine()}.so"
-    dest = _cache_dir() / name
-    if not dest.exists():
-        if cc is None:
-            raise OSError("no C compiler found (set CC, or install cc / gcc / clang)")
-        try:
-            _build(cc, dest)
-        except OSError:
-            if not os.access(dest.parent, os.W_OK) or not dest.parent.is_dir():
-                dest = Path(tempfile.mkdtemp(prefix="mxfp4conv-")) / name  # an unwritable cache
-                _build(cc, dest)
-            else:
-                raise
-    try:
-        lib = ctypes.CDLL(str(dest))
-    except OSError:  # a damaged cached build: build it again, once
-        if cc is None:
-            raise
-        dest.unlink(missing_ok=True)
-        _build(cc, dest)
-        lib = ctypes.CDLL(str(dest))
+    lib, dest = build_shared_library(_SOURCE, "hash_native", CFLAGS)
     try:
         native = _Native(lib, crypto, dest, crypto_path)
     except AttributeError as exc:  # an OpenSSL without EVP_MD_CTX_new (< 1.1)

@@ -102,38 +102,47 @@ static inline void cand(const float *at, const uint32_t *ab, int e, float *q, fl
     }
 }
 
-/* The float32 block sum of the statistics: acc = RN(acc + RN(n_t * RN(v_t * v_t))) in group order
- * t = 0..15 over the entries that occur (NUMERICS.md "Block statistics"; -ffp-contract=off keeps
- * every operation rounded). Entries that do not occur are skipped: their v^2 can overflow (an
- * all-zero block of a huge second-level scale keeps e = 0). */
-static inline float fold32(const float *v, const float *n) {
-    float acc = 0.0f;
+/* The float32 block sums of the statistics, of d (error) and q (signal) at once (two independent
+ * chains): acc = RN(acc + RN(n_t * RN(v_t * v_t))) in group order t = 0..15 over the entries that
+ * occur (NUMERICS.md "Block statistics"; -ffp-contract=off keeps every operation rounded). Entries
+ * that do not occur are skipped: their v^2 can overflow (an all-zero block of a huge second-level
+ * scale keeps e = 0). */
+static inline void fold32(const float *d, const float *q, const float *n, float *err, float *sig) {
+    float td[16], tq[16];
     for (int t = 0; t < 16; t++) {
-        const float sq = v[t] * v[t];
-        acc += n[t] != 0.0f ? n[t] * sq : 0.0f;
+        const float dd = d[t] * d[t], qq = q[t] * q[t];
+        td[t] = n[t] != 0.0f ? n[t] * dd : 0.0f;
+        tq[t] = n[t] != 0.0f ? n[t] * qq : 0.0f;
     }
-    return acc;
+    float ae = 0.0f, as = 0.0f;
+    for (int t = 0; t < 16; t++) {
+        ae += td[t];
+        as += tq[t];
+    }
+    *err = ae;
+    *sig = as;
 }
 
 /* MSE's exact decision (NUMERICS.md): sum_t n_t (A - B)(2u - A - B) < 0 with u = q_b, A = 2 r_a,
  * B = r_b; every term and partial sum is exact in float64. */
 static inline int mse_lower(const float *qb, const float *ra, const float *rb, const float *n) {
-    double acc = 0.0;
+    double v[16];
     for (int t = 0; t < 16; t++) {
         const double a = 2.0 * (double)ra[t], b = (double)rb[t], u = (double)qb[t];
-        acc += (double)n[t] * ((a - b) * ((u + u) - (a + b)));
+        v[t] = (double)n[t] * ((a - b) * ((u + u) - (a + b)));
     }
-    return acc < 0.0;
+    for (int w = 8; w >= 1; w >>= 1) /* exact, so a tree (vectorized) gives the same sum */
+        for (int t = 0; t < w; t++) v[t] += v[t + w];
+    return v[0] < 0.0;
 }
 
 /* max |d| over the entries that occur (pm[t] = 1, else 0; the products are exact). */
 static inline float present_max(const float *d, const float *pm) {
-    float m = 0.0f;
-    for (int t = 0; t < 16; t++) {
-        const float v = fabsf(d[t]) * pm[t];
-        m = v > m ? v : m;
-    }
-    return m;
+    float v[16];
+    for (int t = 0; t < 16; t++) v[t] = fabsf(d[t]) * pm[t];
+    for (int w = 8; w >= 1; w >>= 1) /* max is exact: a tree (vectorized) */
+        for (int t = 0; t < w; t++) v[t] = v[t] > v[t + w] ? v[t] : v[t + w];
+    return v[0];
 }
 
 /* rows [r0, r1): packed u8 [R, kh], s f32 [R, kh/8] (decoded E4M3), g f32 [R];
@@ -181,29 +190,28 @@ int mxfp4conv_requant_rows(const uint8_t *packed, const float *s, const float *g
             const float top0 = at[(63 - __builtin_clzll(c8[0])) >> 3];
             const float top1 = at[8 + ((63 - __builtin_clzll(c8[1])) >> 3)];
             const float amax = top0 > top1 ? top0 : top1;
-            float qt[16], rt[16], dt[16];
+            float qa[16], ra[16], da[16], qb[16], rb[16], db[16];
+            const float *qt = qa, *rt = ra, *dt = da; /* the chosen candidate's tables */
             int e;
-            float err;
             if (rule == 3) {
                 const int zero = amax == 0.0f;
                 const int er = zero ? 0 : rceil_exp(amax);
                 const int ea = zero ? 0 : clamp_e(er), eb = zero ? 0 : clamp_e(er - 1);
-                float qb[16], rb[16], db[16];
-                cand(at, ab, ea, qt, rt, dt);
+                cand(at, ab, ea, qa, ra, da);
                 cand(at, ab, eb, qb, rb, db);
-                if (eb != ea && mse_lower(qb, rt, rb, n)) {
-                    e = eb;
-                    memcpy(qt, qb, sizeof qt);
-                    memcpy(rt, rb, sizeof rt);
-                    memcpy(dt, db, sizeof dt);
-                } else {
-                    e = ea;
+                const int pick = eb != ea && mse_lower(qb, ra, rb, n);
+                e = pick ? eb : ea;
+                if (pick) {
+                    qt = qb;
+                    rt = rb;
+                    dt = db;
                 }
             } else {
                 e = scale_exp(amax, rule);
-                cand(at, ab, e, qt, rt, dt);
+                cand(at, ab, e, qa, ra, da);
             }
-            err = fold32(dt, n);
+            float err, sig;
+            fold32(dt, qt, n, &err, &sig);
             const float mx = present_max(dt, pm);
             const double s4 = pow2d(2 * e);
             uint32_t rbits[16];
@@ -222,7 +230,7 @@ int mxfp4conv_requant_rows(const uint8_t *packed, const float *s, const float *g
             rclip += amax > six_pow2f(e);
             rexact += mx == 0.0f;
             lsq[j & 7] += (double)err * s4;
-            lsig[j & 7] += (double)fold32(qt, n) * s4;
+            lsig[j & 7] += (double)sig * s4;
             const double mxd = (double)mx * pow2d(e);
             rmx = mxd > rmx ? mxd : rmx;
         }

@@ -81,12 +81,12 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(cc: str, dest: Path) -> None:
+def _build(cc: str, source: Path, cflags: tuple[str, ...], libs: tuple[str, ...], dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, tmp = tempfile.mkstemp(prefix=dest.name + ".", suffix=".tmp", dir=dest.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, str(_SOURCE), "-o", tmp, "-lm"],
+        proc = subprocess.run([cc, *cflags, str(source), "-o", tmp, *libs],
                               capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
         if proc.returncode != 0:
             raise OSError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
@@ -96,22 +96,28 @@ def _build(cc: str, dest: Path) -> None:
             os.unlink(tmp)
 
 
-def _load_uncached() -> NativeKernel:
+def build_shared_library(
+    source: Path, stem: str, cflags: tuple[str, ...], libs: tuple[str, ...] = ()
+) -> tuple[ctypes.CDLL, Path]:
+    """Build ``source`` (once per source and flags) into the per-user cache and load it: the file is
+    named ``stem-<hash of source and flags>-<os>-<machine>.so``, written to a temporary name and
+    renamed into place; an unwritable cache builds into a private temporary folder, a damaged cached
+    build is built again once. Raises ``OSError`` (no C compiler, a failed build). Shared by the CPU
+    requant kernel and the shard hasher (mxfp4conv/io/hash_native.py)."""
     cc = _compiler()
-    src = _SOURCE.read_bytes()
-    key = hashlib.sha256(src + "\0".join(CFLAGS).encode()).hexdigest()[:16]
-    name = f"requant_native-{key}-{platform.system().lower()}-{platform.machine()}.so"
+    key = hashlib.sha256(source.read_bytes() + "\0".join(cflags).encode()).hexdigest()[:16]
+    name = f"{stem}-{key}-{platform.system().lower()}-{platform.machine()}.so"
     dest = _cache_dir() / name
     if not dest.exists():
         if cc is None:
             raise OSError("no C compiler found (set CC, or install cc / gcc / clang)")
         try:
-            _build(cc, dest)
+            _build(cc, source, cflags, libs, dest)
         except OSError:
             if not os.access(dest.parent, os.W_OK) or not dest.parent.is_dir():
                 # an unwritable cache (read-only home): build into a private temporary folder
                 dest = Path(tempfile.mkdtemp(prefix="mxfp4conv-")) / name
-                _build(cc, dest)
+                _build(cc, source, cflags, libs, dest)
             else:
                 raise
     try:
@@ -120,9 +126,13 @@ def _load_uncached() -> NativeKernel:
         if cc is None:
             raise
         dest.unlink(missing_ok=True)
-        _build(cc, dest)
+        _build(cc, source, cflags, libs, dest)
         lib = ctypes.CDLL(str(dest))
-    return NativeKernel(lib, dest)
+    return lib, dest
+
+
+def _load_uncached() -> NativeKernel:
+    return NativeKernel(*build_shared_library(_SOURCE, "requant_native", CFLAGS, ("-lm",)))
 
 
 def load() -> NativeKernel | None:

@@ -2,7 +2,7 @@
 
 ``requant_rows`` has the signature and results of ``mxfp4conv.requant.requant_rows_cpu``
 (docs/NUMERICS.md is the contract): same packed bytes, same E8M0 bytes, same float64 row
-statistics, bit for bit. One Triton kernel per call; the Triton code lives in
+statistics, bit for bit. The kernel's design is in ``_requant_triton_jit``'s docstring. One Triton kernel per call; the Triton code lives in
 ``_requant_triton_jit`` and is imported on first use, so this module imports on a CPU-only
 machine without triton.
 
@@ -52,8 +52,11 @@ class KernelConfig:
 
 
 def default_config(rule: object) -> KernelConfig:
-    """The launch shape measured fastest on an H200 (BENCHMARKS.md, eighth session)."""
-    del rule
+    """The launch shape measured fastest on an H200 (BENCHMARKS.md, eighth session; [131072, 7168],
+    multiplier): 4 warps on 16 rows with the next step prefetched for the one-candidate rules (EVEN
+    1,059 G weights/s; 932 on 32 rows, 536 on 8), 2 warps on 8 rows for MSE (773; 752 with 4 / 16)."""
+    if rule_id(rule) == _RULE_IDS["mse"]:
+        return KernelConfig(num_warps=2, prefetch=True, rows=8)
     return KernelConfig(num_warps=4, prefetch=True, rows=16)
 
 
@@ -177,7 +180,7 @@ def requant_rows_into(
     )
 
 
-_REGS_PER_THREAD = 96  # the compiled kernel's register count on sm_90 (all rules, 95-96)
+_REGS_PER_THREAD = 96  # a register count per thread for the occupancy estimate (the seventh session's kernel)
 
 
 @lru_cache(maxsize=8)
