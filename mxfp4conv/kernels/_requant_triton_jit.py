@@ -130,9 +130,13 @@ def _hist(w):
 
 
 @triton.jit
-def _n(ha, hb, M: tl.constexpr):
-    """Elements of magnitude ``M`` in a half (its two words' histograms)."""
-    return ((ha >> (4 * M)) & 15) + ((hb >> (4 * M)) & 15)
+def _counts(ha, hb):
+    """Elements of magnitudes 1..7 in a half from its two words' histograms (4-bit fields, <= 8
+    each): the fields of both words added as bytes (<= 16), even and odd magnitudes apart."""
+    he = (ha & 0x0F0F0F0F) + (hb & 0x0F0F0F0F)  # bytes: magnitudes 0, 2, 4, 6
+    ho = ((ha >> 4) & 0x0F0F0F0F) + ((hb >> 4) & 0x0F0F0F0F)  # 1, 3, 5, 7
+    return (ho & 255, (he >> 8) & 255, (ho >> 8) & 255, (he >> 16) & 255, (ho >> 16) & 255,
+            (he >> 24) & 255, (ho >> 24) & 255)
 
 
 @triton.jit
@@ -270,20 +274,8 @@ def _block(w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe,
     h1 = _hist(w1)
     h2 = _hist(w2)
     h3 = _hist(w3)
-    na1 = _n(h0, h1, 1)
-    na2 = _n(h0, h1, 2)
-    na3 = _n(h0, h1, 3)
-    na4 = _n(h0, h1, 4)
-    na5 = _n(h0, h1, 5)
-    na6 = _n(h0, h1, 6)
-    na7 = _n(h0, h1, 7)
-    nb1 = _n(h2, h3, 1)
-    nb2 = _n(h2, h3, 2)
-    nb3 = _n(h2, h3, 3)
-    nb4 = _n(h2, h3, 4)
-    nb5 = _n(h2, h3, 5)
-    nb6 = _n(h2, h3, 6)
-    nb7 = _n(h2, h3, 7)
+    na1, na2, na3, na4, na5, na6, na7 = _counts(h0, h1)
+    nb1, nb2, nb3, nb4, nb5, nb6, nb7 = _counts(h2, h3)
     amax = tl.maximum(_top(a1, a2, a3, a4, a5, a6, a7, na1, na2, na3, na4, na5, na6, na7),
                       _top(b1, b2, b3, b4, b5, b6, b7, nb1, nb2, nb3, nb4, nb5, nb6, nb7))
     if RULE == 3:  # noqa: SIM108 (constexpr branches)
