@@ -14,7 +14,8 @@ Design (one program = ``ROWS`` rows, walked 8 32-blocks at a time):
 * Per block only 14 nonzero values occur: ``|x|[h, m] = RN(e2m1[m] * |s_h| (*|/) |g|)``, m = 1..7
   (m = 0 is 0, exactly reproduced). All float work runs on those 14 table entries; per element the
   kernel only counts its magnitude (a histogram of 4-bit fields per packed word) and looks up its
-  new code (the table's codes packed as 4-bit fields of one int32 per half).
+  new code: the half's 8 codes are the bytes of two int32, and two byte permutes (PTX ``prmt``) map a
+  word's even and odd nibbles.
 * Signs never enter the float work: ``|x| = RN(|e2m1| * |s| (*|/) |g|)`` (RN is sign-symmetric) and
   the output sign bit is ``signbit(x) = nibble sign ^ signbit(s) ^ signbit(g)`` (IEEE sign rule,
   zeros included), applied to 8 codes at once with one XOR per packed word.
@@ -186,18 +187,35 @@ def _pow2(e):
 
 
 @triton.jit
-def _map_word(w, cw):
-    """New magnitude codes of the 8 nibbles of ``w``: nibble P gets field ``mag(P)`` of ``cw``."""
-    o = (cw >> ((w << 2) & 28)) & 7
-    o += ((cw >> ((w >> 2) & 28)) & 7) << 4
-    o += ((cw >> ((w >> 6) & 28)) & 7) << 8
-    o += ((cw >> ((w >> 10) & 28)) & 7) << 12
-    o += ((cw >> ((w >> 14) & 28)) & 7) << 16
-    o += ((cw >> ((w >> 18) & 28)) & 7) << 20
-    o += ((cw >> ((w >> 22) & 28)) & 7) << 24
-    o += ((cw >> ((w >> 26) & 28)) & 7) << 28
-    return o
+def _prmt(a, b, c, USE_ASM: tl.constexpr):
+    """PTX ``prmt.b32`` (default mode): byte i of the result is byte ``(c >> 4i) & 7`` of the 8
+    bytes {b, a} (a's bytes 0..3, b's 4..7); the selectors' sign-replicate bit is never set here.
+    The interpreter computes it with shifts."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        ab = (b.to(tl.int64) << 32) | (a.to(tl.int64) & 0xFFFFFFFF)
+        out = tl.zeros(a.shape, tl.int64)
+        for i in tl.static_range(4):
+            sel = ((c >> (4 * i)) & 7).to(tl.int64)
+            out = out | (((ab >> (8 * sel)) & 0xFF) << (8 * i))
+        return out.to(tl.int32)
 
+
+@triton.jit
+def _map_word(w, tlo, thi, USE_ASM: tl.constexpr):
+    """New magnitude codes of the 8 nibbles of ``w`` (signs cleared): nibble k gets byte ``mag(k)`` of
+    the half's table {thi, tlo} (byte m = the new code of magnitude m). Two byte permutes look up the
+    even and the odd nibbles (the odd ones from the table shifted by 4), after the even / odd
+    magnitudes are gathered into a 4-nibble selector each."""
+    me = w & 0x07070707  # magnitudes of nibbles 0, 2, 4, 6 in bytes 0..3
+    mo = (w >> 4) & 0x07070707  # 1, 3, 5, 7
+    pick02 = tl.full(w.shape, 0x20, tl.int32)  # bytes 0 and 2 of the first operand
+    se = _prmt(me | (me >> 4), me, pick02, USE_ASM)  # nibbles: mag 0, 2, 4, 6
+    so = _prmt(mo | (mo >> 4), mo, pick02, USE_ASM)
+    return _prmt(tlo, thi, se, USE_ASM) | _prmt(tlo << 4, thi << 4, so, USE_ASM)
 
 
 @triton.jit
@@ -221,14 +239,18 @@ def _qd(ax, inv):
 
 
 @triton.jit
-def _ent(ax, nf, pr, M: tl.constexpr, inv, cw, err, mx):
-    """Table entry of magnitude ``M`` under one exponent: its code into field M of ``cw``, the
-    float32 error sum ``err`` (contract order), ``mx`` = max |d| over entries that occur (pr = 1)."""
+def _ent(ax, nf, pr, M: tl.constexpr, inv, tlo, thi, err, mx):
+    """Table entry of magnitude ``M`` under one exponent: its code into byte M of the half's table
+    {thi, tlo}, the float32 error sum ``err`` (contract order), ``mx`` = max |d| over entries that
+    occur (pr = 1)."""
     q, code, r, d = _qd(ax, inv)
-    cw += code << (4 * M)
+    if M < 4:
+        tlo += code << (8 * M)
+    else:
+        thi += code << (8 * (M - 4))
     err = err + nf * (d * d)
     mx = tl.maximum(mx, tl.abs(d) * pr)
-    return cw, err, mx, q, r
+    return tlo, thi, err, mx, q, r
 
 
 @triton.jit
@@ -312,24 +334,26 @@ def _block(w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe,
     pb6 = tl.minimum(fb6, 1.0)
     pb7 = tl.minimum(fb7, 1.0)
     inv = tl.where(zero, 0.0, _pow2(-e))  # an all-zero block: every q is 0
-    cwa = tl.zeros(inv.shape, tl.int32)
-    cwb = tl.zeros(inv.shape, tl.int32)
+    ala = tl.zeros(inv.shape, tl.int32)  # code tables, half a: magnitudes 0..3 / 4..7 (byte m)
+    aha = tl.zeros(inv.shape, tl.int32)
+    alb = tl.zeros(inv.shape, tl.int32)
+    ahb = tl.zeros(inv.shape, tl.int32)
     err = tl.zeros(inv.shape, tl.float32)
     mx = tl.zeros(inv.shape, tl.float32)
-    cwa, err, mx, qa1, ra1 = _ent(a1, fa1, pa1, 1, inv, cwa, err, mx)
-    cwa, err, mx, qa2, ra2 = _ent(a2, fa2, pa2, 2, inv, cwa, err, mx)
-    cwa, err, mx, qa3, ra3 = _ent(a3, fa3, pa3, 3, inv, cwa, err, mx)
-    cwa, err, mx, qa4, ra4 = _ent(a4, fa4, pa4, 4, inv, cwa, err, mx)
-    cwa, err, mx, qa5, ra5 = _ent(a5, fa5, pa5, 5, inv, cwa, err, mx)
-    cwa, err, mx, qa6, ra6 = _ent(a6, fa6, pa6, 6, inv, cwa, err, mx)
-    cwa, err, mx, qa7, ra7 = _ent(a7, fa7, pa7, 7, inv, cwa, err, mx)
-    cwb, err, mx, qb1, rb1 = _ent(b1, fb1, pb1, 1, inv, cwb, err, mx)
-    cwb, err, mx, qb2, rb2 = _ent(b2, fb2, pb2, 2, inv, cwb, err, mx)
-    cwb, err, mx, qb3, rb3 = _ent(b3, fb3, pb3, 3, inv, cwb, err, mx)
-    cwb, err, mx, qb4, rb4 = _ent(b4, fb4, pb4, 4, inv, cwb, err, mx)
-    cwb, err, mx, qb5, rb5 = _ent(b5, fb5, pb5, 5, inv, cwb, err, mx)
-    cwb, err, mx, qb6, rb6 = _ent(b6, fb6, pb6, 6, inv, cwb, err, mx)
-    cwb, err, mx, qb7, rb7 = _ent(b7, fb7, pb7, 7, inv, cwb, err, mx)
+    ala, aha, err, mx, qa1, ra1 = _ent(a1, fa1, pa1, 1, inv, ala, aha, err, mx)
+    ala, aha, err, mx, qa2, ra2 = _ent(a2, fa2, pa2, 2, inv, ala, aha, err, mx)
+    ala, aha, err, mx, qa3, ra3 = _ent(a3, fa3, pa3, 3, inv, ala, aha, err, mx)
+    ala, aha, err, mx, qa4, ra4 = _ent(a4, fa4, pa4, 4, inv, ala, aha, err, mx)
+    ala, aha, err, mx, qa5, ra5 = _ent(a5, fa5, pa5, 5, inv, ala, aha, err, mx)
+    ala, aha, err, mx, qa6, ra6 = _ent(a6, fa6, pa6, 6, inv, ala, aha, err, mx)
+    ala, aha, err, mx, qa7, ra7 = _ent(a7, fa7, pa7, 7, inv, ala, aha, err, mx)
+    alb, ahb, err, mx, qb1, rb1 = _ent(b1, fb1, pb1, 1, inv, alb, ahb, err, mx)
+    alb, ahb, err, mx, qb2, rb2 = _ent(b2, fb2, pb2, 2, inv, alb, ahb, err, mx)
+    alb, ahb, err, mx, qb3, rb3 = _ent(b3, fb3, pb3, 3, inv, alb, ahb, err, mx)
+    alb, ahb, err, mx, qb4, rb4 = _ent(b4, fb4, pb4, 4, inv, alb, ahb, err, mx)
+    alb, ahb, err, mx, qb5, rb5 = _ent(b5, fb5, pb5, 5, inv, alb, ahb, err, mx)
+    alb, ahb, err, mx, qb6, rb6 = _ent(b6, fb6, pb6, 6, inv, alb, ahb, err, mx)
+    alb, ahb, err, mx, qb7, rb7 = _ent(b7, fb7, pb7, 7, inv, alb, ahb, err, mx)
     sig = tl.zeros(inv.shape, tl.float32)
     if STATS:
         sig = _sig(qa1, fa1, sig)
@@ -351,24 +375,26 @@ def _block(w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe,
         # MSE: RCEIL - 1 only if its exact squared error is strictly lower (ties go to RCEIL).
         e1 = tl.where(zero, 0, tl.maximum(e - 1, -127))
         inv1 = tl.where(zero, 0.0, _pow2(-e1))
-        dwa = tl.zeros(inv.shape, tl.int32)
-        dwb = tl.zeros(inv.shape, tl.int32)
+        dla = tl.zeros(inv.shape, tl.int32)
+        dha = tl.zeros(inv.shape, tl.int32)
+        dlb = tl.zeros(inv.shape, tl.int32)
+        dhb = tl.zeros(inv.shape, tl.int32)
         err1 = tl.zeros(inv.shape, tl.float32)
         mx1 = tl.zeros(inv.shape, tl.float32)
-        dwa, err1, mx1, ua1, sa1 = _ent(a1, fa1, pa1, 1, inv1, dwa, err1, mx1)
-        dwa, err1, mx1, ua2, sa2 = _ent(a2, fa2, pa2, 2, inv1, dwa, err1, mx1)
-        dwa, err1, mx1, ua3, sa3 = _ent(a3, fa3, pa3, 3, inv1, dwa, err1, mx1)
-        dwa, err1, mx1, ua4, sa4 = _ent(a4, fa4, pa4, 4, inv1, dwa, err1, mx1)
-        dwa, err1, mx1, ua5, sa5 = _ent(a5, fa5, pa5, 5, inv1, dwa, err1, mx1)
-        dwa, err1, mx1, ua6, sa6 = _ent(a6, fa6, pa6, 6, inv1, dwa, err1, mx1)
-        dwa, err1, mx1, ua7, sa7 = _ent(a7, fa7, pa7, 7, inv1, dwa, err1, mx1)
-        dwb, err1, mx1, ub1, sb1_ = _ent(b1, fb1, pb1, 1, inv1, dwb, err1, mx1)
-        dwb, err1, mx1, ub2, sb2_ = _ent(b2, fb2, pb2, 2, inv1, dwb, err1, mx1)
-        dwb, err1, mx1, ub3, sb3_ = _ent(b3, fb3, pb3, 3, inv1, dwb, err1, mx1)
-        dwb, err1, mx1, ub4, sb4_ = _ent(b4, fb4, pb4, 4, inv1, dwb, err1, mx1)
-        dwb, err1, mx1, ub5, sb5_ = _ent(b5, fb5, pb5, 5, inv1, dwb, err1, mx1)
-        dwb, err1, mx1, ub6, sb6_ = _ent(b6, fb6, pb6, 6, inv1, dwb, err1, mx1)
-        dwb, err1, mx1, ub7, sb7_ = _ent(b7, fb7, pb7, 7, inv1, dwb, err1, mx1)
+        dla, dha, err1, mx1, ua1, sa1 = _ent(a1, fa1, pa1, 1, inv1, dla, dha, err1, mx1)
+        dla, dha, err1, mx1, ua2, sa2 = _ent(a2, fa2, pa2, 2, inv1, dla, dha, err1, mx1)
+        dla, dha, err1, mx1, ua3, sa3 = _ent(a3, fa3, pa3, 3, inv1, dla, dha, err1, mx1)
+        dla, dha, err1, mx1, ua4, sa4 = _ent(a4, fa4, pa4, 4, inv1, dla, dha, err1, mx1)
+        dla, dha, err1, mx1, ua5, sa5 = _ent(a5, fa5, pa5, 5, inv1, dla, dha, err1, mx1)
+        dla, dha, err1, mx1, ua6, sa6 = _ent(a6, fa6, pa6, 6, inv1, dla, dha, err1, mx1)
+        dla, dha, err1, mx1, ua7, sa7 = _ent(a7, fa7, pa7, 7, inv1, dla, dha, err1, mx1)
+        dlb, dhb, err1, mx1, ub1, sb1_ = _ent(b1, fb1, pb1, 1, inv1, dlb, dhb, err1, mx1)
+        dlb, dhb, err1, mx1, ub2, sb2_ = _ent(b2, fb2, pb2, 2, inv1, dlb, dhb, err1, mx1)
+        dlb, dhb, err1, mx1, ub3, sb3_ = _ent(b3, fb3, pb3, 3, inv1, dlb, dhb, err1, mx1)
+        dlb, dhb, err1, mx1, ub4, sb4_ = _ent(b4, fb4, pb4, 4, inv1, dlb, dhb, err1, mx1)
+        dlb, dhb, err1, mx1, ub5, sb5_ = _ent(b5, fb5, pb5, 5, inv1, dlb, dhb, err1, mx1)
+        dlb, dhb, err1, mx1, ub6, sb6_ = _ent(b6, fb6, pb6, 6, inv1, dlb, dhb, err1, mx1)
+        dlb, dhb, err1, mx1, ub7, sb7_ = _ent(b7, fb7, pb7, 7, inv1, dlb, dhb, err1, mx1)
         e0x4 = err * 4.0  # exact
         diff = err1 - e0x4
         tot = err1 + e0x4
@@ -392,8 +418,10 @@ def _block(w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe,
             dd = _dterm(ub6, rb6, sb6_, fb6, dd)
             dd = _dterm(ub7, rb7, sb7_, fb7, dd)
             pick = tl.where(unsure, dd < 0.0, pick)
-        cwa = tl.where(pick, dwa, cwa)
-        cwb = tl.where(pick, dwb, cwb)
+        ala = tl.where(pick, dla, ala)
+        aha = tl.where(pick, dha, aha)
+        alb = tl.where(pick, dlb, alb)
+        ahb = tl.where(pick, dhb, ahb)
         err = tl.where(pick, err1, err)
         mx = tl.where(pick, mx1, mx)
         e = tl.where(pick, e1, e)
@@ -401,10 +429,10 @@ def _block(w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe,
     gs = g.to(tl.int32, bitcast=True)
     n_a = ((s_a.to(tl.int32, bitcast=True) ^ gs) >> 31) & -2004318072  # 0x88888888 or 0
     n_b = ((s_b.to(tl.int32, bitcast=True) ^ gs) >> 31) & -2004318072
-    o0 = _map_word(w0, cwa) ^ ((w0 & -2004318072) ^ n_a)
-    o1 = _map_word(w1, cwa) ^ ((w1 & -2004318072) ^ n_a)
-    o2 = _map_word(w2, cwb) ^ ((w2 & -2004318072) ^ n_b)
-    o3 = _map_word(w3, cwb) ^ ((w3 & -2004318072) ^ n_b)
+    o0 = _map_word(w0, ala, aha, USE_ASM) ^ ((w0 & -2004318072) ^ n_a)
+    o1 = _map_word(w1, ala, aha, USE_ASM) ^ ((w1 & -2004318072) ^ n_a)
+    o2 = _map_word(w2, alb, ahb, USE_ASM) ^ ((w2 & -2004318072) ^ n_b)
+    o3 = _map_word(w3, alb, ahb, USE_ASM) ^ ((w3 & -2004318072) ^ n_b)
     sq = err.to(tl.float64) * _pow2_64(2 * e)
     sg = sig.to(tl.float64) * _pow2_64(2 * sig_e)
     mx64 = mx.to(tl.float64) * _pow2_64(e)
