@@ -180,6 +180,13 @@ def check_hasher() -> None:
         raise UsageError(str(exc), hint="unset MXFP4CONV_HASHER, or install a C compiler (cc / gcc / clang)") from exc
 
 
+# The NVFP4 -> MXFP4 numerics contract (docs/NUMERICS.md) that requantized outputs are made under;
+# part of their fingerprint, so `--skip-if-current`, `--resume` and `--finish` never take bytes or
+# statistics of another contract for current. 2: the exact MSE decision, float32 block statistics and
+# 8-lane row sums (eighth session); outputs of earlier builds carry no "numerics" key.
+REQUANT_NUMERICS = 2
+
+
 def _needs_device(ctx: WriterContext) -> bool:
     """Whether any unit is requantized (the only work that runs on ``--device``)."""
     return ctx.facts.source_quant == "nvfp4" and ctx.options.get("keep_nvfp4") != "1"
@@ -440,7 +447,10 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
     report = ConvertReport(str(src), str(dst), plan.layout, target.NAME, "dry-run" if opts.dry_run else "converted")
     if _needs_device(ctx):
         report.compute = {"devices": _devices(opts), "cpu_kernel": cpu_kernel(opts.device, not opts.dry_run)}
-    fingerprint = {"tool": __version__, "source": source_fingerprint(ckpt), "options": opts.fingerprint_dict()}
+    fingerprint: dict[str, Any] = {"tool": __version__, "source": source_fingerprint(ckpt),
+                                   "options": opts.fingerprint_dict()}
+    if _needs_device(ctx):
+        fingerprint["numerics"] = REQUANT_NUMERICS  # outputs of another requant contract are not current
     if opts.skip_if_current and (dst / MANIFEST).exists():
         try:
             old = json.loads((dst / MANIFEST).read_text())

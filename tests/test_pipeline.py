@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from tiny import build
 
+from mxfp4conv import pipeline
 from mxfp4conv.cli import cli
 
 LAYOUTS = ["ct-mxfp4", "gpt-oss", "modelopt-nvfp4", "ct-nvfp4"]
@@ -163,6 +164,20 @@ def test_reruns_are_byte_identical_and_skip_if_current(srcs: dict[str, Path], tm
     code, out, _ = run("convert", str(srcs["modelopt-nvfp4"]), str(tmp_path / "a"), "--to", "ct", "--device", "cpu",
                        "--scale-rule", "even", "--skip-if-current", "--json")
     assert code == 0 and json.loads(out)["status"] == "converted"  # options changed: redone
+    # an output of an earlier numerics contract (its fingerprint has no "numerics", or another one)
+    # is not current either; a lossless conversion's fingerprint has no "numerics" at all
+    man_path = tmp_path / "a" / "mxfp4conv.json"
+    man = json.loads(man_path.read_text())
+    assert man["fingerprint"]["numerics"] == pipeline.REQUANT_NUMERICS
+    for old in (None, pipeline.REQUANT_NUMERICS - 1):
+        fp = {k: v for k, v in man["fingerprint"].items() if k != "numerics"}
+        man_path.write_text(json.dumps({**man, "fingerprint": fp if old is None else {**fp, "numerics": old}}))
+        code, out, _ = run("convert", str(srcs["modelopt-nvfp4"]), str(tmp_path / "a"), "--to", "ct", "--device",
+                           "cpu", "--scale-rule", "even", "--skip-if-current", "--json")
+        assert code == 0 and json.loads(out)["status"] == "converted", old
+        man = json.loads(man_path.read_text())
+    assert run("convert", str(srcs["gpt-oss"]), str(tmp_path / "q"), "--to", "quark")[0] == 0
+    assert "numerics" not in json.loads((tmp_path / "q" / "mxfp4conv.json").read_text())["fingerprint"]
 
 
 def test_verify_catches_a_flipped_byte(srcs: dict[str, Path], tmp_path: Path) -> None:
