@@ -351,14 +351,13 @@ def _slab(
         pick = _mse_pick(qb, ra, rb, ws("cn64", (nb, 16), f64).copy_(cnt), ws) & (eb != ea)
         e = torch.where(pick, eb, ea)
         p2 = pick[:, None]
-        err = torch.where(pick, _fold32(db, cnt, ws, "b"), _fold32(da, cnt, ws, "a"))
         dtab = torch.where(p2, db, da)
         qtab = torch.where(p2, qb, qa)
         rtab = torch.where(p2, rb, ra, out=ws("rt", (nb, 16), f32))
     else:
         e = scale_exponent(amax, rule) + 127
         qtab, rtab, dtab = _cand_tab(at, ebits, e, ws, "a")
-        err = _fold32(dtab, cnt, ws, "a")
+    err = _fold32(dtab, cnt, ws, "e")  # the chosen candidate's only
     sig = _fold32(qtab, cnt, ws, "s")
     mx = _present_max(dtab.abs(), present)
     s4 = _SQ64.index_select(0, e)
