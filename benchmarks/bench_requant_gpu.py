@@ -116,7 +116,7 @@ def _outs(r: int, k: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor
 
 # (num_warps, rows per program, prefetch): the launch shapes swept (8 blocks per row per step).
 CONFIG_SWEEP = ((4, 16, True), (4, 32, True), (4, 8, True), (2, 8, True), (2, 16, True), (8, 32, True),
-                (4, 16, False))
+                (1, 4, True), (1, 8, True), (2, 4, True), (4, 16, False), (2, 8, False), (1, 4, False))
 
 
 def bench_configs(r: int, k: int, dev: torch.device, base: dict[str, Any], out: str | None) -> dict[str, KernelConfig]:

@@ -6,23 +6,31 @@ so a CPU-only install without triton never touches it.
 
 Design (one program = ``ROWS`` rows, walked 8 32-blocks at a time):
 
-* Coalesced: a step loads ``[ROWS, 8, 4]`` packed words (128 contiguous bytes per row), so
-  neighbouring threads read neighbouring blocks of a row; every block is computed by its own lane,
-  in registers. The row sums are the contract's 8 lanes (NUMERICS.md "Row sums": block j in lane
-  j % 8): each lane accumulates its own blocks, and only the program's end adds the 8 lanes in
-  order (``_lanes``), so no values move between threads per step.
+* One block per lane, no exchange between threads: a step covers 8 consecutive blocks of every
+  row (128 contiguous bytes per row), and each of a block's 4 packed words and 2 E4M3 bytes is
+  loaded (and each output word stored) as its own ``[ROWS, 8]`` tensor, all in one register
+  layout, so no shared-memory layout conversion or barrier runs inside the loop (an earlier
+  ``[ROWS, 8, 4]`` tile with reshape / split / join spent ~30% of the loop's instructions on
+  them). The row sums are the contract's 8 lanes (NUMERICS.md "Row sums": block j in lane j % 8):
+  each lane accumulates its own blocks, and only the program's end adds the 8 lanes in order
+  (``_lanes``).
 * Per block only 14 nonzero values occur: ``|x|[h, m] = RN(e2m1[m] * |s_h| (*|/) |g|)``, m = 1..7
-  (m = 0 is 0, exactly reproduced). All float work runs on those 14 table entries; per element the
-  kernel only counts its magnitude (a histogram of 4-bit fields per packed word) and looks up its
-  new code: the half's 8 codes are the bytes of two int32, and two byte permutes (PTX ``prmt``) map a
-  word's even and odd nibbles.
+  (m = 0 is 0, exactly reproduced). All float work runs on those 14 table entries, an absent
+  magnitude's entry set to 0 (so it adds nothing anywhere); per element the kernel only counts its
+  magnitude and looks up its new code. Counts: the three magnitude bits of a half's 16 nibbles are
+  gathered into three words, and the elements of magnitude m are the set bits of one 3-input
+  boolean function of them (one LOP3 and one ``popc`` per magnitude and half). Lookup: the half's
+  8 codes are the bytes of two int32, and two byte permutes (PTX ``prmt``) map a word's even and
+  odd nibbles.
 * Signs never enter the float work: ``|x| = RN(|e2m1| * |s| (*|/) |g|)`` (RN is sign-symmetric) and
   the output sign bit is ``signbit(x) = nibble sign ^ signbit(s) ^ signbit(g)`` (IEEE sign rule,
   zeros included), applied to 8 codes at once with one XOR per packed word.
 * Dequantization: the e4m3 * e2m1 product is exact; one rounding by the second-level scale:
   multiply, or a true IEEE division (Triton's ``/`` is approximate and libdevice's ``div_rn`` is
   linked with flush-to-zero): PTX ``div.rn.f32``, or, when every |g| of the program is in
-  [2^-100, 2^100], Markstein's exact correction from the per-row ``RN(1/|g|)``.
+  [2^-100, 2^100], Markstein's exact correction from the per-row ``RN(1/|g|)``; in that range every
+  |x| is normal, so a half's 7 entries come from two divisions, RN(|s|/|g|) and RN(1.5|s|/|g|), by
+  exact power-of-two scaling (RN(2^k y) = 2^k RN(y) away from underflow and overflow).
 * The scaled domain (NUMERICS.md "Block statistics"): ``q = |x| * 2^-e`` (exact), rounded to the
   E2M1 grid by ``y = RN(q + M)`` with M = 2^(22 + max(floor(log2 q), 0)) (ties to even; the low bits
   of y give the code; larger q saturates to code 7 / value 6), ``d = q - r`` (exact). All-zero
@@ -85,9 +93,9 @@ def _div_fast(p, g_abs, inv_g, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _x(M: tl.constexpr, s_abs, g_abs, inv_g, safe,
-       DIVISOR: tl.constexpr, FAST_DIV: tl.constexpr, USE_ASM: tl.constexpr):
-    """|x| of E2M1 magnitude ``M`` (1..7) in a half with block scale |s|: RN(e2m1[M] * |s| (*|/) |g|)."""
+def _x(M: tl.constexpr, s_abs, g_abs, DIVISOR: tl.constexpr, USE_ASM: tl.constexpr):
+    """|x| of E2M1 magnitude ``M`` (1..7) in a half with block scale |s|: RN(e2m1[M] * |s| (*|/) |g|),
+    one rounding (the divisor by ``div.rn.f32``)."""
     if M == 1:
         p = s_abs * 0.5  # exact (an E4M3 times an E2M1 value)
     elif M == 2:
@@ -102,54 +110,57 @@ def _x(M: tl.constexpr, s_abs, g_abs, inv_g, safe,
         p = s_abs * 4.0
     else:
         p = s_abs * 6.0
-    if DIVISOR:
-        if FAST_DIV:
-            if safe:  # noqa: SIM108 (uniform over the program: a branch, not a select)
-                x = _div_fast(p, g_abs, inv_g, USE_ASM)
-            else:
-                x = _div_rn(p, g_abs, USE_ASM)
-        else:
-            x = _div_rn(p, g_abs, USE_ASM)
+    if DIVISOR:  # noqa: SIM108 (constexpr branches)
+        x = _div_rn(p, g_abs, USE_ASM)
     else:
         x = p * g_abs
     return x
 
 
 @triton.jit
-def _hist(w):
-    """Counts of the 8 magnitudes among the 8 nibbles of word ``w``: 8 fields of 4 bits (at most 8)."""
-    one = tl.full(w.shape, 1, tl.int32)
-    h = one << ((w << 2) & 28)
-    h += one << ((w >> 2) & 28)
-    h += one << ((w >> 6) & 28)
-    h += one << ((w >> 10) & 28)
-    h += one << ((w >> 14) & 28)
-    h += one << ((w >> 18) & 28)
-    h += one << ((w >> 22) & 28)
-    h += one << ((w >> 26) & 28)
-    return h
+def _x7(s_abs, g_abs, DIVISOR: tl.constexpr, USE_ASM: tl.constexpr):
+    return (_x(1, s_abs, g_abs, DIVISOR, USE_ASM), _x(2, s_abs, g_abs, DIVISOR, USE_ASM),
+            _x(3, s_abs, g_abs, DIVISOR, USE_ASM), _x(4, s_abs, g_abs, DIVISOR, USE_ASM),
+            _x(5, s_abs, g_abs, DIVISOR, USE_ASM), _x(6, s_abs, g_abs, DIVISOR, USE_ASM),
+            _x(7, s_abs, g_abs, DIVISOR, USE_ASM))
 
 
 @triton.jit
-def _counts(ha, hb):
-    """Elements of magnitudes 1..7 in a half from its two words' histograms (4-bit fields, <= 8
-    each): the fields of both words added as bytes (<= 16), even and odd magnitudes apart."""
-    he = (ha & 0x0F0F0F0F) + (hb & 0x0F0F0F0F)  # bytes: magnitudes 0, 2, 4, 6
-    ho = ((ha >> 4) & 0x0F0F0F0F) + ((hb >> 4) & 0x0F0F0F0F)  # 1, 3, 5, 7
-    return (ho & 255, (he >> 8) & 255, (ho >> 8) & 255, (he >> 16) & 255, (ho >> 16) & 255,
-            (he >> 24) & 255, (ho >> 24) & 255)
+def _popc(x, USE_ASM: tl.constexpr):
+    """Number of set bits of each int32 (PTX ``popc.b32``; the interpreter adds them SWAR-wise)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            "popc.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        v = x - ((x >> 1) & 0x55555555)
+        v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+        v = (v + (v >> 4)) & 0x0F0F0F0F
+        return ((v * 0x01010101) >> 24) & 0xFF
 
 
 @triton.jit
-def _top(x1, x2, x3, x4, x5, x6, x7, n1, n2, n3, n4, n5, n6, n7):
-    """max |x| over the magnitudes that occur in a half (0 if none but zeros)."""
-    m = tl.where(n1 > 0, x1, 0.0)
-    m = tl.maximum(m, tl.where(n2 > 0, x2, 0.0))
-    m = tl.maximum(m, tl.where(n3 > 0, x3, 0.0))
-    m = tl.maximum(m, tl.where(n4 > 0, x4, 0.0))
-    m = tl.maximum(m, tl.where(n5 > 0, x5, 0.0))
-    m = tl.maximum(m, tl.where(n6 > 0, x6, 0.0))
-    return tl.maximum(m, tl.where(n7 > 0, x7, 0.0))
+def _counts(a, b, USE_ASM: tl.constexpr):
+    """Elements of magnitudes 1..7 in a half (its two words ``a``, ``b``: 16 nibbles).
+
+    The three magnitude bits of every nibble are gathered into three words, bit k of a's nibble i at
+    position 4i and of b's at 4i + 1 (all other bits 0); the elements of magnitude m are then the
+    set bits of one 3-input boolean function of those words (one LOP3; a position no nibble fills
+    reads 000, never a magnitude >= 1), counted by ``popc``."""
+    c0 = (a & 0x11111111) | ((b << 1) & 0x22222222)
+    c1 = ((a >> 1) & 0x11111111) | (b & 0x22222222)
+    c2 = ((a >> 2) & 0x11111111) | ((b >> 1) & 0x22222222)
+    return (_popc(c0 & ~c1 & ~c2, USE_ASM), _popc(~c0 & c1 & ~c2, USE_ASM),
+            _popc(c0 & c1 & ~c2, USE_ASM), _popc(~c0 & ~c1 & c2, USE_ASM),
+            _popc(c0 & ~c1 & c2, USE_ASM), _popc(~c0 & c1 & c2, USE_ASM),
+            _popc(c0 & c1 & c2, USE_ASM))
+
+
+@triton.jit
+def _present(x, n):
+    """|x| of a magnitude that occurs in the half, 0 for one that does not: every later use of an
+    absent entry (block maximum, q, d, the sums) then sees 0, and its code is never looked up."""
+    return tl.where(n > 0, x, 0.0)
 
 
 @triton.jit
@@ -239,33 +250,114 @@ def _qd(ax, inv):
 
 
 @triton.jit
-def _ent(ax, nf, pr, M: tl.constexpr, inv, tlo, thi, err, mx):
+def _ent(ax, nf, M: tl.constexpr, inv, tlo, thi, err, mx, sig, SIG: tl.constexpr):
     """Table entry of magnitude ``M`` under one exponent: its code into byte M of the half's table
-    {thi, tlo}, the float32 error sum ``err`` (contract order), ``mx`` = max |d| over entries that
-    occur (pr = 1)."""
-    q, code, r, d = _qd(ax, inv)
+    {thi, tlo}, the float32 error sum ``err`` and (SIG) signal sum ``sig`` (contract order),
+    ``mx`` = max |d| (``ax`` is 0 for an absent magnitude, so its q and d are 0)."""
+    q, code, _r, d = _qd(ax, inv)
     if M < 4:
         tlo += code << (8 * M)
     else:
         thi += code << (8 * (M - 4))
     err = err + nf * (d * d)
-    mx = tl.maximum(mx, tl.abs(d) * pr)
-    return tlo, thi, err, mx, q, r
+    mx = tl.maximum(mx, tl.abs(d))
+    if SIG:
+        sig = sig + nf * (q * q)
+    return tlo, thi, err, mx, sig
 
 
 @triton.jit
-def _sig(q, nf, acc):
-    return acc + nf * (q * q)
+def _ent2(ax, n, M: tl.constexpr, c0, c1, TWO: tl.constexpr, SIG: tl.constexpr):
+    """Entry M under the first exponent (``c0`` = (inv, tlo, thi, err, mx, sig)) and, for MSE
+    (TWO), under RCEIL - 1 (``c1``, the same without sig) right after, so that |x| and its count
+    die here instead of living until a second pass."""
+    nf = _nf(n)
+    inv, tlo, thi, err, mx, sig = c0
+    tlo, thi, err, mx, sig = _ent(ax, nf, M, inv, tlo, thi, err, mx, sig, SIG)
+    if TWO:
+        inv1, dlo, dhi, err1, mx1, _u = c1
+        dlo, dhi, err1, mx1, _u = _ent(ax, nf, M, inv1, dlo, dhi, err1, mx1, err1, False)
+        c1 = (inv1, dlo, dhi, err1, mx1, _u)
+    return (inv, tlo, thi, err, mx, sig), c1
 
 
 @triton.jit
-def _dterm(qb, ra, rb, nf, acc):
-    """acc + n * (A - B) * (2u - A - B) in float64 (u = qb, A = 2 ra, B = rb): all exact."""
+def _xs(wlo, whi, s_abs, g_abs, inv_g, safe,
+        DIVISOR: tl.constexpr, FAST_DIV: tl.constexpr, USE_ASM: tl.constexpr):
+    """A half's 7 table entries |x| (0 for a magnitude that does not occur) and their counts."""
+    n1, n2, n3, n4, n5, n6, n7 = _counts(wlo, whi, USE_ASM)
+    if DIVISOR and FAST_DIV:
+        if safe:
+            # Every |x| is normal here (2^-110 <= |x| < 2^112), where scaling by a power of two
+            # commutes with rounding: RN(2^k * p / g) = 2^k * RN(p / g). Two divisions per half.
+            v = _div_fast(s_abs, g_abs, inv_g, USE_ASM)
+            u = _div_fast(s_abs * 1.5, g_abs, inv_g, USE_ASM)
+            x1, x2, x3, x4, x5, x6, x7 = v * 0.5, v, u, v * 2.0, u * 2.0, v * 4.0, u * 4.0
+        else:
+            x1, x2, x3, x4, x5, x6, x7 = _x7(s_abs, g_abs, DIVISOR, USE_ASM)
+    else:
+        x1, x2, x3, x4, x5, x6, x7 = _x7(s_abs, g_abs, DIVISOR, USE_ASM)
+    return ((_present(x1, n1), _present(x2, n2), _present(x3, n3), _present(x4, n4), _present(x5, n5),
+             _present(x6, n6), _present(x7, n7)), (n1, n2, n3, n4, n5, n6, n7))
+
+
+@triton.jit
+def _max7(x):
+    x1, x2, x3, x4, x5, x6, x7 = x
+    return tl.maximum(tl.maximum(tl.maximum(x1, x2), tl.maximum(x3, x4)), tl.maximum(tl.maximum(x5, x6), x7))
+
+
+@triton.jit
+def _half(x, n, inv, inv1, err, mx, sig, err1, mx1, TWO: tl.constexpr, SIG: tl.constexpr):
+    """A half's 7 entries in group order: its code tables (first exponent, and RCEIL - 1 for
+    TWO) and the block's running sums."""
+    x1, x2, x3, x4, x5, x6, x7 = x
+    n1, n2, n3, n4, n5, n6, n7 = n
+    z = tl.zeros(inv.shape, tl.int32)
+    c0 = (inv, z, z, err, mx, sig)
+    c1 = (inv1, z, z, err1, mx1, err1)
+    c0, c1 = _ent2(x1, n1, 1, c0, c1, TWO, SIG)
+    c0, c1 = _ent2(x2, n2, 2, c0, c1, TWO, SIG)
+    c0, c1 = _ent2(x3, n3, 3, c0, c1, TWO, SIG)
+    c0, c1 = _ent2(x4, n4, 4, c0, c1, TWO, SIG)
+    c0, c1 = _ent2(x5, n5, 5, c0, c1, TWO, SIG)
+    c0, c1 = _ent2(x6, n6, 6, c0, c1, TWO, SIG)
+    c0, c1 = _ent2(x7, n7, 7, c0, c1, TWO, SIG)
+    _i, tlo, thi, err, mx, sig = c0
+    _i1, dlo, dhi, err1, mx1, _u = c1
+    return tlo, thi, dlo, dhi, err, mx, sig, err1, mx1
+
+
+@triton.jit
+def _dterm(ax, n, inv, inv1, acc):
+    """acc + n * (A - B) * (2u - A - B) in float64 (u = q under RCEIL - 1, A = 2 r under RCEIL,
+    B = r under RCEIL - 1): all exact."""
+    _qa, _ca, ra, _da = _qd(ax, inv)
+    qb, _cb, rb, _db = _qd(ax, inv1)
     a = ra + ra
-    c = (nf * (a - rb)).to(tl.float64)  # <= 16 * 12, a multiple of 1/2: exact in float32
+    c = (_nf(n) * (a - rb)).to(tl.float64)  # <= 16 * 12, a multiple of 1/2: exact in float32
     u = qb.to(tl.float64)
     v = (u + u) - (a + rb).to(tl.float64)
     return acc + c * v
+
+
+@triton.jit
+def _dhalf(wlo, whi, s, g_abs, inv_g, safe, inv, inv1, acc,
+           DIVISOR: tl.constexpr, FAST_DIV: tl.constexpr, USE_ASM: tl.constexpr):
+    """The exact MSE difference over a half's entries, from its words and block scale ``s``
+    (the compiler reuses the entries already computed; made opaque to it, the recomputation cut
+    ~35 registers per thread but measured no faster on an H200: the MSE kernel is bound by issue)."""
+    s_abs = tl.abs(s)
+    x, n = _xs(wlo, whi, s_abs, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    x1, x2, x3, x4, x5, x6, x7 = x
+    n1, n2, n3, n4, n5, n6, n7 = n
+    acc = _dterm(x1, n1, inv, inv1, acc)
+    acc = _dterm(x2, n2, inv, inv1, acc)
+    acc = _dterm(x3, n3, inv, inv1, acc)
+    acc = _dterm(x4, n4, inv, inv1, acc)
+    acc = _dterm(x5, n5, inv, inv1, acc)
+    acc = _dterm(x6, n6, inv, inv1, acc)
+    return _dterm(x7, n7, inv, inv1, acc)
 
 
 @triton.jit
@@ -276,125 +368,24 @@ def _block(w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe,
     every MSE block by the exact float64 difference (a test of that path; same bytes)."""
     s_a = _e4m3_f32(sb0)
     s_b = _e4m3_f32(sb1)
-    sa = tl.abs(s_a)
-    sb = tl.abs(s_b)
-    a1 = _x(1, sa, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
-    a2 = _x(2, sa, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
-    a3 = _x(3, sa, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
-    a4 = _x(4, sa, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
-    a5 = _x(5, sa, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
-    a6 = _x(6, sa, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
-    a7 = _x(7, sa, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
-    b1 = _x(1, sb, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
-    b2 = _x(2, sb, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
-    b3 = _x(3, sb, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
-    b4 = _x(4, sb, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
-    b5 = _x(5, sb, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
-    b6 = _x(6, sb, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
-    b7 = _x(7, sb, g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
-    h0 = _hist(w0)
-    h1 = _hist(w1)
-    h2 = _hist(w2)
-    h3 = _hist(w3)
-    na1, na2, na3, na4, na5, na6, na7 = _counts(h0, h1)
-    nb1, nb2, nb3, nb4, nb5, nb6, nb7 = _counts(h2, h3)
-    amax = tl.maximum(_top(a1, a2, a3, a4, a5, a6, a7, na1, na2, na3, na4, na5, na6, na7),
-                      _top(b1, b2, b3, b4, b5, b6, b7, nb1, nb2, nb3, nb4, nb5, nb6, nb7))
+    xa, na = _xs(w0, w1, tl.abs(s_a), g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    xb, nb = _xs(w2, w3, tl.abs(s_b), g_abs, inv_g, safe, DIVISOR, FAST_DIV, USE_ASM)
+    amax = tl.maximum(_max7(xa), _max7(xb))
     if RULE == 3:  # noqa: SIM108 (constexpr branches)
         e = _scale_exp(amax, 2)
     else:
         e = _scale_exp(amax, RULE)
     zero = amax == 0.0
-    fa1 = _nf(na1)
-    fa2 = _nf(na2)
-    fa3 = _nf(na3)
-    fa4 = _nf(na4)
-    fa5 = _nf(na5)
-    fa6 = _nf(na6)
-    fa7 = _nf(na7)
-    fb1 = _nf(nb1)
-    fb2 = _nf(nb2)
-    fb3 = _nf(nb3)
-    fb4 = _nf(nb4)
-    fb5 = _nf(nb5)
-    fb6 = _nf(nb6)
-    fb7 = _nf(nb7)
-    pa1 = tl.minimum(fa1, 1.0)
-    pa2 = tl.minimum(fa2, 1.0)
-    pa3 = tl.minimum(fa3, 1.0)
-    pa4 = tl.minimum(fa4, 1.0)
-    pa5 = tl.minimum(fa5, 1.0)
-    pa6 = tl.minimum(fa6, 1.0)
-    pa7 = tl.minimum(fa7, 1.0)
-    pb1 = tl.minimum(fb1, 1.0)
-    pb2 = tl.minimum(fb2, 1.0)
-    pb3 = tl.minimum(fb3, 1.0)
-    pb4 = tl.minimum(fb4, 1.0)
-    pb5 = tl.minimum(fb5, 1.0)
-    pb6 = tl.minimum(fb6, 1.0)
-    pb7 = tl.minimum(fb7, 1.0)
     inv = tl.where(zero, 0.0, _pow2(-e))  # an all-zero block: every q is 0
-    ala = tl.zeros(inv.shape, tl.int32)  # code tables, half a: magnitudes 0..3 / 4..7 (byte m)
-    aha = tl.zeros(inv.shape, tl.int32)
-    alb = tl.zeros(inv.shape, tl.int32)
-    ahb = tl.zeros(inv.shape, tl.int32)
-    err = tl.zeros(inv.shape, tl.float32)
-    mx = tl.zeros(inv.shape, tl.float32)
-    ala, aha, err, mx, qa1, ra1 = _ent(a1, fa1, pa1, 1, inv, ala, aha, err, mx)
-    ala, aha, err, mx, qa2, ra2 = _ent(a2, fa2, pa2, 2, inv, ala, aha, err, mx)
-    ala, aha, err, mx, qa3, ra3 = _ent(a3, fa3, pa3, 3, inv, ala, aha, err, mx)
-    ala, aha, err, mx, qa4, ra4 = _ent(a4, fa4, pa4, 4, inv, ala, aha, err, mx)
-    ala, aha, err, mx, qa5, ra5 = _ent(a5, fa5, pa5, 5, inv, ala, aha, err, mx)
-    ala, aha, err, mx, qa6, ra6 = _ent(a6, fa6, pa6, 6, inv, ala, aha, err, mx)
-    ala, aha, err, mx, qa7, ra7 = _ent(a7, fa7, pa7, 7, inv, ala, aha, err, mx)
-    alb, ahb, err, mx, qb1, rb1 = _ent(b1, fb1, pb1, 1, inv, alb, ahb, err, mx)
-    alb, ahb, err, mx, qb2, rb2 = _ent(b2, fb2, pb2, 2, inv, alb, ahb, err, mx)
-    alb, ahb, err, mx, qb3, rb3 = _ent(b3, fb3, pb3, 3, inv, alb, ahb, err, mx)
-    alb, ahb, err, mx, qb4, rb4 = _ent(b4, fb4, pb4, 4, inv, alb, ahb, err, mx)
-    alb, ahb, err, mx, qb5, rb5 = _ent(b5, fb5, pb5, 5, inv, alb, ahb, err, mx)
-    alb, ahb, err, mx, qb6, rb6 = _ent(b6, fb6, pb6, 6, inv, alb, ahb, err, mx)
-    alb, ahb, err, mx, qb7, rb7 = _ent(b7, fb7, pb7, 7, inv, alb, ahb, err, mx)
-    sig = tl.zeros(inv.shape, tl.float32)
-    if STATS:
-        sig = _sig(qa1, fa1, sig)
-        sig = _sig(qa2, fa2, sig)
-        sig = _sig(qa3, fa3, sig)
-        sig = _sig(qa4, fa4, sig)
-        sig = _sig(qa5, fa5, sig)
-        sig = _sig(qa6, fa6, sig)
-        sig = _sig(qa7, fa7, sig)
-        sig = _sig(qb1, fb1, sig)
-        sig = _sig(qb2, fb2, sig)
-        sig = _sig(qb3, fb3, sig)
-        sig = _sig(qb4, fb4, sig)
-        sig = _sig(qb5, fb5, sig)
-        sig = _sig(qb6, fb6, sig)
-        sig = _sig(qb7, fb7, sig)
+    e1 = tl.where(zero, 0, tl.maximum(e - 1, -127))  # MSE's second candidate, RCEIL - 1
+    inv1 = tl.where(zero, 0.0, _pow2(-e1))
+    TWO: tl.constexpr = RULE == 3
+    f0 = tl.zeros(inv.shape, tl.float32)
+    ala, aha, dla, dha, err, mx, sig, err1, mx1 = _half(xa, na, inv, inv1, f0, f0, f0, f0, f0, TWO, STATS)
+    alb, ahb, dlb, dhb, err, mx, sig, err1, mx1 = _half(xb, nb, inv, inv1, err, mx, sig, err1, mx1, TWO, STATS)
     sig_e = e  # sig is taken in this exponent's domain (4^e scaling commutes with its roundings)
     if RULE == 3:
         # MSE: RCEIL - 1 only if its exact squared error is strictly lower (ties go to RCEIL).
-        e1 = tl.where(zero, 0, tl.maximum(e - 1, -127))
-        inv1 = tl.where(zero, 0.0, _pow2(-e1))
-        dla = tl.zeros(inv.shape, tl.int32)
-        dha = tl.zeros(inv.shape, tl.int32)
-        dlb = tl.zeros(inv.shape, tl.int32)
-        dhb = tl.zeros(inv.shape, tl.int32)
-        err1 = tl.zeros(inv.shape, tl.float32)
-        mx1 = tl.zeros(inv.shape, tl.float32)
-        dla, dha, err1, mx1, ua1, sa1 = _ent(a1, fa1, pa1, 1, inv1, dla, dha, err1, mx1)
-        dla, dha, err1, mx1, ua2, sa2 = _ent(a2, fa2, pa2, 2, inv1, dla, dha, err1, mx1)
-        dla, dha, err1, mx1, ua3, sa3 = _ent(a3, fa3, pa3, 3, inv1, dla, dha, err1, mx1)
-        dla, dha, err1, mx1, ua4, sa4 = _ent(a4, fa4, pa4, 4, inv1, dla, dha, err1, mx1)
-        dla, dha, err1, mx1, ua5, sa5 = _ent(a5, fa5, pa5, 5, inv1, dla, dha, err1, mx1)
-        dla, dha, err1, mx1, ua6, sa6 = _ent(a6, fa6, pa6, 6, inv1, dla, dha, err1, mx1)
-        dla, dha, err1, mx1, ua7, sa7 = _ent(a7, fa7, pa7, 7, inv1, dla, dha, err1, mx1)
-        dlb, dhb, err1, mx1, ub1, sb1_ = _ent(b1, fb1, pb1, 1, inv1, dlb, dhb, err1, mx1)
-        dlb, dhb, err1, mx1, ub2, sb2_ = _ent(b2, fb2, pb2, 2, inv1, dlb, dhb, err1, mx1)
-        dlb, dhb, err1, mx1, ub3, sb3_ = _ent(b3, fb3, pb3, 3, inv1, dlb, dhb, err1, mx1)
-        dlb, dhb, err1, mx1, ub4, sb4_ = _ent(b4, fb4, pb4, 4, inv1, dlb, dhb, err1, mx1)
-        dlb, dhb, err1, mx1, ub5, sb5_ = _ent(b5, fb5, pb5, 5, inv1, dlb, dhb, err1, mx1)
-        dlb, dhb, err1, mx1, ub6, sb6_ = _ent(b6, fb6, pb6, 6, inv1, dlb, dhb, err1, mx1)
-        dlb, dhb, err1, mx1, ub7, sb7_ = _ent(b7, fb7, pb7, 7, inv1, dlb, dhb, err1, mx1)
         e0x4 = err * 4.0  # exact
         diff = err1 - e0x4
         tot = err1 + e0x4
@@ -402,21 +393,9 @@ def _block(w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe,
         unsure = differ & ((tl.abs(diff) <= tot * 3.814697265625e-06) | MSE_EXACT)  # 2^-18
         pick = differ & (diff < 0.0)
         if tl.max(unsure.to(tl.int32)) > 0:
-            dd = tl.zeros(inv.shape, tl.float64)
-            dd = _dterm(ua1, ra1, sa1, fa1, dd)
-            dd = _dterm(ua2, ra2, sa2, fa2, dd)
-            dd = _dterm(ua3, ra3, sa3, fa3, dd)
-            dd = _dterm(ua4, ra4, sa4, fa4, dd)
-            dd = _dterm(ua5, ra5, sa5, fa5, dd)
-            dd = _dterm(ua6, ra6, sa6, fa6, dd)
-            dd = _dterm(ua7, ra7, sa7, fa7, dd)
-            dd = _dterm(ub1, rb1, sb1_, fb1, dd)
-            dd = _dterm(ub2, rb2, sb2_, fb2, dd)
-            dd = _dterm(ub3, rb3, sb3_, fb3, dd)
-            dd = _dterm(ub4, rb4, sb4_, fb4, dd)
-            dd = _dterm(ub5, rb5, sb5_, fb5, dd)
-            dd = _dterm(ub6, rb6, sb6_, fb6, dd)
-            dd = _dterm(ub7, rb7, sb7_, fb7, dd)
+            dd = _dhalf(w0, w1, s_a, g_abs, inv_g, safe, inv, inv1, tl.zeros(inv.shape, tl.float64),
+                        DIVISOR, FAST_DIV, USE_ASM)
+            dd = _dhalf(w2, w3, s_b, g_abs, inv_g, safe, inv, inv1, dd, DIVISOR, FAST_DIV, USE_ASM)
             pick = tl.where(unsure, dd < 0.0, pick)
         ala = tl.where(pick, dla, ala)
         aha = tl.where(pick, dha, aha)
@@ -461,30 +440,36 @@ def _lanes(v):
 
 
 @triton.jit
-def _tile_ld(in_row, sc_row, j0, cw, cs, m3):
-    """Blocks ``j0 .. j0 + 7`` of every row: words [ROWS, 8, 4], E4M3 bytes [ROWS, 8, 2] (masked
-    blocks read as 0: an all-zero block)."""
-    wt = tl.load(in_row[:, None, None] + (j0 * 4 + cw), mask=m3, other=0)
-    st = tl.load(sc_row[:, None, None] + (j0 * 2 + cs), mask=m3, other=0)
-    return wt, st
+def _tile_ld(in_row, sc_row, j0, cb, m2):
+    """Blocks ``j0 .. j0 + 7`` of every row, one per lane: the 4 packed words and 2 E4M3 bytes of
+    each, every one a [ROWS, 8] tensor in the lanes' own layout (no exchange between threads;
+    masked blocks read as 0: an all-zero block)."""
+    wp = in_row[:, None] + (j0 + cb)[None, :] * 4
+    sp = sc_row[:, None] + (j0 + cb)[None, :] * 2
+    w0 = tl.load(wp, mask=m2, other=0)
+    w1 = tl.load(wp + 1, mask=m2, other=0)
+    w2 = tl.load(wp + 2, mask=m2, other=0)
+    w3 = tl.load(wp + 3, mask=m2, other=0)
+    s0 = tl.load(sp, mask=m2, other=0).to(tl.int32)
+    s1 = tl.load(sp + 1, mask=m2, other=0).to(tl.int32)
+    return w0, w1, w2, w3, s0, s1
 
 
 @triton.jit
-def _tile(wt, st, j0, g, g_abs, inv_g, safe, out_row, osc_row, cw, m3, m2,
+def _tile(w0, w1, w2, w3, sb0, sb1, j0, g, g_abs, inv_g, safe, out_row, osc_row, osc_col, cb, m2,
           lsq, lsig, lmx, lclip, lexact,
-          ROWS: tl.constexpr, RULE: tl.constexpr, DIVISOR: tl.constexpr,
+          RULE: tl.constexpr, DIVISOR: tl.constexpr,
           FAST_DIV: tl.constexpr, USE_ASM: tl.constexpr, STATS: tl.constexpr, MSE_EXACT: tl.constexpr):
     """Compute a loaded tile (one block per lane), store it, add its statistics to the lane sums
     (each lane owns every 8th block of its row: no exchange between threads)."""
-    w02, w13 = tl.split(tl.reshape(wt, [ROWS, 8, 2, 2]))
-    w0, w2 = tl.split(w02)
-    w1, w3 = tl.split(w13)
-    sb0, sb1 = tl.split(st.to(tl.int32))
     o0, o1, o2, o3, ebyte, sq, sig, mx, clipped, exact = _block(
         w0, w1, w2, w3, sb0, sb1, g, g_abs, inv_g, safe, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS, MSE_EXACT)
-    ot = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), [ROWS, 8, 4])
-    tl.store(out_row[:, None, None] + (j0 * 4 + cw), ot, mask=m3)
-    tl.store(osc_row[:, None] + (j0 + tl.arange(0, 8))[None, :], ebyte.to(tl.uint8), mask=m2)
+    op = out_row[:, None] + (j0 + cb)[None, :] * 4
+    tl.store(op, o0, mask=m2)
+    tl.store(op + 1, o1, mask=m2)
+    tl.store(op + 2, o2, mask=m2)
+    tl.store(op + 3, o3, mask=m2)
+    tl.store(osc_row[:, None] + (j0 + cb)[None, :] * osc_col, ebyte.to(tl.uint8), mask=m2)
     if STATS:
         lsq = lsq + sq  # masked blocks are all-zero blocks: they add +0 and nothing is clipped
         lsig = lsig + sig
@@ -494,9 +479,9 @@ def _tile(wt, st, j0, g, g_abs, inv_g, safe, out_row, osc_row, cw, m3, m2,
     return lsq, lsig, lmx, lclip, lexact
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["osc_col"])
 def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
-                        s_in, s_sc, s_out, s_osc,
+                        s_in, s_sc, s_out, s_osc, osc_col,
                         RULE: tl.constexpr, DIVISOR: tl.constexpr,
                         ROWS: tl.constexpr, USE_ASM: tl.constexpr, STATS: tl.constexpr = True,
                         FAST_DIV: tl.constexpr = True, PREFETCH: tl.constexpr = False,
@@ -509,6 +494,9 @@ def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
     out_ptr: int32 [R, NB*4] packed MXFP4 words (row stride ``s_out``)
     osc_ptr: uint8 [R, NB] E8M0 bytes (row stride ``s_osc``)
     st_ptr:  fp64  [R, 5] (sq_err, signal, max_abs_err, clipped_blocks, exact_blocks)
+    osc_col: 1, the E8M0 bytes' column stride, passed at run time (not specialized) so that
+             Triton does not vectorize the byte store, which would convert the lanes' layout
+             through shared memory on every step.
     Each step computes 8 blocks of every row, one per lane (the last step masked when 8 does not
     divide NB). PREFETCH loads step t+1 while step t is computed. STATS=False (a benchmark
     diagnostic) skips the statistics and leaves st_ptr untouched. FAST_DIV=False always uses
@@ -534,8 +522,6 @@ def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
     out_row = out_ptr + r64 * s_out
     osc_row = osc_ptr + r64 * s_osc
     cb = tl.arange(0, 8)
-    cw = (cb * 4)[None, :, None] + tl.arange(0, 4)[None, None, :]
-    cs = (cb * 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
     lsq = tl.zeros([ROWS, 8], tl.float64)
     lsig = tl.zeros([ROWS, 8], tl.float64)
     lmx = tl.zeros([ROWS, 8], tl.float64)
@@ -543,21 +529,21 @@ def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
     lexact = tl.zeros([ROWS, 8], tl.int32)
     if PREFETCH:
         m2 = rmask[:, None] & (cb < NB)[None, :]
-        wt, st = _tile_ld(in_row, sc_row, 0, cw, cs, m2[:, :, None])
+        w0, w1, w2, w3, s0, s1 = _tile_ld(in_row, sc_row, 0, cb, m2)
         for j0 in range(0, NB, 8):
             m2n = rmask[:, None] & (j0 + 8 + cb < NB)[None, :]
-            wn, sn = _tile_ld(in_row, sc_row, j0 + 8, cw, cs, m2n[:, :, None])
+            n0, n1, n2, n3, t0, t1 = _tile_ld(in_row, sc_row, j0 + 8, cb, m2n)
             lsq, lsig, lmx, lclip, lexact = _tile(
-                wt, st, j0, g, g_abs, inv_g, safe, out_row, osc_row, cw, m2[:, :, None], m2,
-                lsq, lsig, lmx, lclip, lexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS, MSE_EXACT)
-            wt, st, m2 = wn, sn, m2n
+                w0, w1, w2, w3, s0, s1, j0, g, g_abs, inv_g, safe, out_row, osc_row, osc_col, cb, m2,
+                lsq, lsig, lmx, lclip, lexact, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS, MSE_EXACT)
+            w0, w1, w2, w3, s0, s1, m2 = n0, n1, n2, n3, t0, t1, m2n
     else:
         for j0 in range(0, NB, 8):
             m2 = rmask[:, None] & (j0 + cb < NB)[None, :]
-            wt, st = _tile_ld(in_row, sc_row, j0, cw, cs, m2[:, :, None])
+            w0, w1, w2, w3, s0, s1 = _tile_ld(in_row, sc_row, j0, cb, m2)
             lsq, lsig, lmx, lclip, lexact = _tile(
-                wt, st, j0, g, g_abs, inv_g, safe, out_row, osc_row, cw, m2[:, :, None], m2,
-                lsq, lsig, lmx, lclip, lexact, ROWS, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS, MSE_EXACT)
+                w0, w1, w2, w3, s0, s1, j0, g, g_abs, inv_g, safe, out_row, osc_row, osc_col, cb, m2,
+                lsq, lsig, lmx, lclip, lexact, RULE, DIVISOR, FAST_DIV, USE_ASM, STATS, MSE_EXACT)
     if STATS:
         st_row = st_ptr + r64 * 5
         tl.store(st_row, _lanes(lsq), mask=rmask)

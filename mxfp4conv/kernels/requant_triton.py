@@ -52,12 +52,12 @@ class KernelConfig:
 
 
 def default_config(rule: object) -> KernelConfig:
-    """The launch shape measured fastest on an H200 (BENCHMARKS.md, eighth session; [131072, 7168],
-    multiplier): 4 warps on 16 rows with the next step prefetched for the one-candidate rules (EVEN
-    1,059 G weights/s; 932 on 32 rows, 536 on 8), 2 warps on 8 rows for MSE (773; 752 with 4 / 16)."""
-    if rule_id(rule) == _RULE_IDS["mse"]:
-        return KernelConfig(num_warps=2, prefetch=True, rows=8)
-    return KernelConfig(num_warps=4, prefetch=True, rows=16)
+    """The launch shape measured fastest on an H200 (BENCHMARKS.md, ninth session; [131072, 7168],
+    multiplier): one warp on 4 rows, one block per thread per step, the next step prefetched, for
+    every rule (EVEN 1,546 G weights/s, MSE 1,050; 2 warps on 8 rows 1,544 / 1,021, 4 warps on 16
+    rows 857 / 933). The rule is kept as an argument: the sweep is per rule."""
+    del rule
+    return KernelConfig(num_warps=1, prefetch=True, rows=4)
 
 
 def triton_available() -> bool:
@@ -172,7 +172,7 @@ def requant_rows_into(
     grid = (triton_cdiv(r, rows),)
     _jit().requant_rows_kernel[grid](
         w_in, sc, g, w_out, scales_out, row_stats, r, nb,
-        w_in.stride(0), sc.stride(0), w_out.stride(0), scales_out.stride(0),
+        w_in.stride(0), sc.stride(0), w_out.stride(0), scales_out.stride(0), 1,
         RULE=rule_id(rule), DIVISOR=bool(divisor),
         ROWS=rows, USE_ASM=not _interpret(), STATS=bool(stats), FAST_DIV=cfg.fast_div,
         PREFETCH=cfg.prefetch, MSE_EXACT=cfg.mse_exact,
