@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--skip-verify", action="store_true", help="do not time `mxfp4conv verify` afterwards")
     ap.add_argument("--src", type=Path, help="convert this NVFP4 checkpoint (kept) instead of generating one")
     ap.add_argument("--hashers", default="", help="comma list of MXFP4CONV_HASHER values, alternated within each round")
+    ap.add_argument("--shard-sizes", default="", help="comma list of --max-shard-size values, alternated within each round")
     args = ap.parse_args()
     log = open(args.out / "device_e2e.jsonl", "w")  # noqa: SIM115
 
@@ -77,7 +78,8 @@ def main() -> None:
     if not args.skip_identity:
         identity(w, emit)
     hashers = [h for h in args.hashers.split(",") if h] or [""]
-    big(w, args.layers, emit, args.rounds, not args.skip_verify, args.src, hashers)
+    sizes = [v for v in args.shard_sizes.split(",") if v] or [""]
+    big(w, args.layers, emit, args.rounds, not args.skip_verify, args.src, hashers, sizes)
     shutil.rmtree(w, ignore_errors=True)
 
 
@@ -93,10 +95,11 @@ def identity(w: Path, emit: Any) -> None:
 
 
 def big(w: Path, layers: int, emit: Any, rounds: int = 1, verify: bool = True, src: Path | None = None,
-        hashers: list[str] | None = None) -> None:
+        hashers: list[str] | None = None, shard_sizes: list[str] | None = None) -> None:
     """2. throughput against cp of the same files (warm page cache), >= 4 GB; ``rounds`` alternating
     cp / convert pairs, each reported with its own ratio (these hosts' disks are noisy); with
-    ``hashers``, one pair per MXFP4CONV_HASHER value in each round ("" = the default)."""
+    ``hashers``, one pair per MXFP4CONV_HASHER value in each round ("" = the default), and likewise
+    per ``--max-shard-size`` value of ``shard_sizes``."""
     if src is None:
         src = generate(w / "big", "modelopt-nvfp4", layers)
     else:
@@ -108,16 +111,17 @@ def big(w: Path, layers: int, emit: Any, rounds: int = 1, verify: bool = True, s
     shutil.rmtree(w / "cp0")
     weights = layers * 128 * 3 * 2048 * 768
     startup = run([PY, "-c", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"])
-    for r, hasher in ((r, h) for r in range(rounds) for h in (hashers or [""])):
+    for r, hasher, shard in ((r, h, z) for r in range(rounds) for h in (hashers or [""]) for z in (shard_sizes or [""])):
         shutil.rmtree(w / "cp", ignore_errors=True)
         shutil.rmtree(w / "out", ignore_errors=True)
         run(["sync"])
         t_cp = run(["cp", "-r", str(src), str(w / "cp")]) + run(["sync"])
-        t_conv = conv(src, w / "out", "--device", "cuda", "--no-verify",
+        t_conv = conv(src, w / "out", "--device", "cuda", "--no-verify", *(["--max-shard-size", shard] if shard else []),
                       env={"MXFP4CONV_HASHER": hasher} if hasher else None)
         t_ver = run([PY, "-m", "mxfp4conv", "verify", str(src), str(w / "out"), "--device", "cuda", "--json"]) if verify else None
         stages = STAGES.get("out", {})
-        emit(case="nvfp4 -> mxfp4 end to end, all GPUs", round=r + 1, hasher=hasher or "default", layers=layers, gb=round(size / 1e9, 2),
+        emit(case="nvfp4 -> mxfp4 end to end, all GPUs", round=r + 1, hasher=hasher or "default",
+             max_shard_size=shard or "default", shards=len(list((w / "out").glob("*.safetensors"))), layers=layers, gb=round(size / 1e9, 2),
              gweights=round(weights / 1e9, 2), cp_s=round(t_cp, 2), convert_s=round(t_conv, 2),
              throughput_vs_cp=round(t_cp / t_conv, 3), in_process_s=stages.get("total"),
              in_process_vs_cp=round(t_cp / stages["total"], 3) if stages.get("total") else None,

@@ -479,7 +479,7 @@ def _tile(w0, w1, w2, w3, sb0, sb1, j0, g, g_abs, inv_g, safe, out_row, osc_row,
     return lsq, lsig, lmx, lclip, lexact
 
 
-@triton.jit(do_not_specialize=["osc_col"])
+@triton.jit(do_not_specialize=["R", "NB", "s_in", "s_sc", "s_out", "s_osc", "osc_col"])
 def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
                         s_in, s_sc, s_out, s_osc, osc_col,
                         RULE: tl.constexpr, DIVISOR: tl.constexpr,
@@ -497,6 +497,10 @@ def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
     osc_col: 1, the E8M0 bytes' column stride, passed at run time (not specialized) so that
              Triton does not vectorize the byte store, which would convert the lanes' layout
              through shared memory on every step.
+    No integer argument is specialized (``do_not_specialize``): every load and store is one 32-bit
+    word or byte per lane, so divisibility hints buy nothing, and one compile per rule and
+    convention serves every shape (w13 and w2 of a MoE layer compiled twice before; on a cold
+    Triton cache, as in a fresh CI container, that cost ~3 s more per conversion on an H200 host).
     Each step computes 8 blocks of every row, one per lane (the last step masked when 8 does not
     divide NB). PREFETCH loads step t+1 while step t is computed. STATS=False (a benchmark
     diagnostic) skips the statistics and leaves st_ptr untouched. FAST_DIV=False always uses
