@@ -119,6 +119,7 @@ def _x(M: tl.constexpr, s_abs, g_abs, DIVISOR: tl.constexpr, USE_ASM: tl.constex
 
 @triton.jit
 def _x7(s_abs, g_abs, DIVISOR: tl.constexpr, USE_ASM: tl.constexpr):
+    """A half's 7 entries |x|, each by its own rounding (``_x``)."""
     return (_x(1, s_abs, g_abs, DIVISOR, USE_ASM), _x(2, s_abs, g_abs, DIVISOR, USE_ASM),
             _x(3, s_abs, g_abs, DIVISOR, USE_ASM), _x(4, s_abs, g_abs, DIVISOR, USE_ASM),
             _x(5, s_abs, g_abs, DIVISOR, USE_ASM), _x(6, s_abs, g_abs, DIVISOR, USE_ASM),
