@@ -34,7 +34,8 @@ Design (one program = ``ROWS`` rows, walked 8 32-blocks at a time):
 * The scaled domain (NUMERICS.md "Block statistics"): ``q = |x| * 2^-e`` (exact), rounded to the
   E2M1 grid by ``y = RN(q + M)`` with M = 2^(22 + max(floor(log2 q), 0)) (ties to even; the low bits
   of y give the code; larger q saturates to code 7 / value 6), ``d = q - r`` (exact). All-zero
-  blocks scale by 0 instead of 2^0, so their absent entries cannot overflow ``d * d``.
+  blocks scale by 0 instead of 2^0 (a guard from before absent entries were zeroed: every entry of
+  such a block is absent, so its q are 0 either way).
 * Statistics in float32 as the contract orders them: ``acc = RN(acc + RN(n * RN(d * d)))`` over the
   entries in group order, then ``float64(acc) * 4^e``. Launch with ``enable_fp_fusion=False`` so
   that no mul/add pair is contracted.
