@@ -7,7 +7,10 @@ with the bundled nvdisasm, and reports per launch shape: registers per thread, t
 the instructions of the main loop's body (one step: one block per thread when ``rows * 8 ==
 warps * 32``), and the shared-memory loads / stores and barriers inside the loop (a layout
 conversion between threads shows up there). Needs ``triton`` (any machine; no CUDA device). The
-ninth session used it to find that ~30% of the loop was shared-memory layout conversions.
+ninth session used it to find the shared-memory layout conversions in the loop; to see the
+earlier kernel: ``git show 9cf11e8:mxfp4conv/kernels/_requant_triton_jit.py >
+mxfp4conv/kernels/_requant_triton_jit.py`` (restore with ``git checkout`` afterwards), then
+``--warps 4 --rows 16 --rules even``.
 """
 
 from __future__ import annotations
@@ -41,7 +44,11 @@ def compile_sass(rule: int, divisor: bool, warps: int, rows: int, stats: bool, p
 
     consts = {"RULE": rule, "DIVISOR": divisor, "ROWS": rows, "USE_ASM": True, "STATS": stats,
               "FAST_DIV": True, "PREFETCH": prefetch, "MSE_EXACT": False}
-    sig = {**SIGNATURE, **{k: "constexpr" for k in consts}}
+    # only the arguments this version of the kernel has (an earlier one lacks osc_col), so the probe
+    # also measures a checked-out older kernel
+    names = jit.requant_rows_kernel.arg_names
+    consts = {k: v for k, v in consts.items() if k in names}
+    sig = {k: t for k, t in {**SIGNATURE, **{k: "constexpr" for k in consts}}.items() if k in names}
     kernel = triton.compile(ASTSource(jit.requant_rows_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": warps, "num_stages": 1, "enable_fp_fusion": False})
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"

@@ -10,9 +10,10 @@ Design (one program = ``ROWS`` rows, walked 8 32-blocks at a time):
   row (128 contiguous bytes per row), and each of a block's 4 packed words and 2 E4M3 bytes is
   loaded (and each output word stored) as its own ``[ROWS, 8]`` tensor, all in one register
   layout, so no shared-memory layout conversion or barrier runs inside the loop (an earlier
-  ``[ROWS, 8, 4]`` tile with reshape / split / join spent ~30% of the loop's instructions on
-  them). The row sums are the contract's 8 lanes (NUMERICS.md "Row sums": block j in lane j % 8):
-  each lane accumulates its own blocks, and only the program's end adds the 8 lanes in order
+  ``[ROWS, 8, 4]`` tile with reshape / split / join put 32 shared-memory accesses and barriers in
+  a 764-instruction loop; now 554 and none: ``benchmarks/probe_sass.py``). The row sums are the
+  contract's 8 lanes (NUMERICS.md "Row sums": block j in lane j % 8): each lane accumulates its
+  own blocks, and only the program's end adds the 8 lanes in order
   (``_lanes``).
 * Per block only 14 nonzero values occur: ``|x|[h, m] = RN(e2m1[m] * |s_h| (*|/) |g|)``, m = 1..7
   (m = 0 is 0, exactly reproduced). All float work runs on those 14 table entries, an absent
