@@ -54,14 +54,21 @@ def conv(src: Path, dst: Path, *flags: str, env: dict[str, str] | None = None) -
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
-    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--layers", default="12", help="layer count, or a comma list: each size measured in turn, then "
+                                                   "wall = start + GB / rate fitted for cp and convert (least squares "
+                                                   "over every pair) and the ratio projected to 400 and 700 GB")
     ap.add_argument("--work", type=Path, default=Path("/tmp/e2e"))
     ap.add_argument("--skip-identity", action="store_true", help="skip case 1 (tests/test_pipeline_gpu.py covers it)")
     ap.add_argument("--rounds", type=int, default=1, help="cp / convert pairs, alternating (each its own ratio)")
     ap.add_argument("--skip-verify", action="store_true", help="do not time `mxfp4conv verify` afterwards")
+    ap.add_argument("--warmup", action="store_true",
+                    help="convert a one-layer checkpoint on the GPU first (untimed): Triton's disk cache is warm for every size")
     ap.add_argument("--src", type=Path, help="convert this NVFP4 checkpoint (kept) instead of generating one")
     ap.add_argument("--hashers", default="", help="comma list of MXFP4CONV_HASHER values, alternated within each round")
     ap.add_argument("--shard-sizes", default="", help="comma list of --max-shard-size values, alternated within each round")
+    ap.add_argument("--variants", default="",
+                    help="';'-separated NAME:VAR=V,VAR=V environments for the conversion, alternated within each "
+                         "round (e.g. 'base:PYTHONPATH=/tmp/base;omp1:OMP_NUM_THREADS=1'; 'new:' = as is)")
     args = ap.parse_args()
     log = open(args.out / "device_e2e.jsonl", "w")  # noqa: SIM115
 
@@ -77,10 +84,50 @@ def main() -> None:
     # 1. byte-identity: CPU vs one GPU vs every GPU, on a one-layer Qwen3-30B-A3B-like NVFP4 checkpoint
     if not args.skip_identity:
         identity(w, emit)
+    if args.warmup:
+        conv(generate(w / "warm", "modelopt-nvfp4", 1), w / "warm-out", "--device", "cuda", "--no-verify")
+        shutil.rmtree(w / "warm", ignore_errors=True)
+        shutil.rmtree(w / "warm-out", ignore_errors=True)
     hashers = [h for h in args.hashers.split(",") if h] or [""]
     sizes = [v for v in args.shard_sizes.split(",") if v] or [""]
-    big(w, args.layers, emit, args.rounds, not args.skip_verify, args.src, hashers, sizes)
+    points: list[tuple[float, float, float]] = []
+    for n in (int(v) for v in str(args.layers).split(",")):
+        points += big(w, n, emit, args.rounds, not args.skip_verify, args.src, hashers, sizes, parse_variants(args.variants))
+        for d in ("big", "cp", "out"):
+            shutil.rmtree(w / d, ignore_errors=True)
+    if len({gb for gb, _, _ in points}) > 1:
+        emit(case="scaling: wall = start + GB / rate, least squares over every cp / convert pair", **scaling(points))
     shutil.rmtree(w, ignore_errors=True)
+
+
+def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares line y = a + b x: (a, b)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def scaling(points: list[tuple[float, float, float]]) -> dict[str, Any]:
+    """From (GB, cp s, convert s) pairs of several sizes: each tool's fixed start (s) and streaming rate
+    (GB/s), their ratio (the steady-state throughput against cp's), and the wall ratio projected to the
+    sizes of the checkpoints this tool is for."""
+    gbs = [p[0] for p in points]
+    a_cp, b_cp = _fit(gbs, [p[1] for p in points])
+    a_cv, b_cv = _fit(gbs, [p[2] for p in points])
+    proj = {f"throughput_vs_cp_at_{g}gb": round((a_cp + b_cp * g) / (a_cv + b_cv * g), 3) for g in (400, 700)}
+    return {"pairs": len(points), "sizes_gb": sorted(set(gbs)), "cp_start_s": round(a_cp, 2), "cp_gb_per_s": round(1 / b_cp, 3),
+            "convert_start_s": round(a_cv, 2), "convert_gb_per_s": round(1 / b_cv, 3),
+            "streaming_rate_vs_cp": round(b_cp / b_cv, 3), **proj}
+
+
+def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
+    """'a:X=1,Y=2;b:' -> [("a", {"X": "1", "Y": "2"}), ("b", {})]; empty -> [("default", {})]."""
+    out = []
+    for item in (v for v in text.split(";") if v.strip()):
+        name, _, assigns = item.partition(":")
+        out.append((name.strip(), dict(a.split("=", 1) for a in assigns.split(",") if a.strip())))
+    return out or [("default", {})]
 
 
 def identity(w: Path, emit: Any) -> None:
@@ -95,7 +142,8 @@ def identity(w: Path, emit: Any) -> None:
 
 
 def big(w: Path, layers: int, emit: Any, rounds: int = 1, verify: bool = True, src: Path | None = None,
-        hashers: list[str] | None = None, shard_sizes: list[str] | None = None) -> None:
+        hashers: list[str] | None = None, shard_sizes: list[str] | None = None,
+        variants: list[tuple[str, dict[str, str]]] | None = None) -> list[tuple[float, float, float]]:
     """2. throughput against cp of the same files (warm page cache), >= 4 GB; ``rounds`` alternating
     cp / convert pairs, each reported with its own ratio (these hosts' disks are noisy); with
     ``hashers``, one pair per MXFP4CONV_HASHER value in each round ("" = the default), and likewise
@@ -111,22 +159,27 @@ def big(w: Path, layers: int, emit: Any, rounds: int = 1, verify: bool = True, s
     shutil.rmtree(w / "cp0")
     weights = layers * 128 * 3 * 2048 * 768
     startup = run([PY, "-c", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"])
-    for r, hasher, shard in ((r, h, z) for r in range(rounds) for h in (hashers or [""]) for z in (shard_sizes or [""])):
+    points: list[tuple[float, float, float]] = []
+    cases = [(r, h, z, v) for r in range(rounds) for h in (hashers or [""]) for z in (shard_sizes or [""])
+             for v in (variants or [("default", {})])]
+    for r, hasher, shard, (variant, venv) in cases:
         shutil.rmtree(w / "cp", ignore_errors=True)
         shutil.rmtree(w / "out", ignore_errors=True)
         run(["sync"])
         t_cp = run(["cp", "-r", str(src), str(w / "cp")]) + run(["sync"])
         t_conv = conv(src, w / "out", "--device", "cuda", "--no-verify", *(["--max-shard-size", shard] if shard else []),
-                      env={"MXFP4CONV_HASHER": hasher} if hasher else None)
+                      env={**venv, **({"MXFP4CONV_HASHER": hasher} if hasher else {})})
         t_ver = run([PY, "-m", "mxfp4conv", "verify", str(src), str(w / "out"), "--device", "cuda", "--json"]) if verify else None
         stages = STAGES.get("out", {})
-        emit(case="nvfp4 -> mxfp4 end to end, all GPUs", round=r + 1, hasher=hasher or "default",
+        emit(case="nvfp4 -> mxfp4 end to end, all GPUs", round=r + 1, variant=variant, env=venv, hasher=hasher or "default",
              max_shard_size=shard or "default", shards=len(list((w / "out").glob("*.safetensors"))), layers=layers, gb=round(size / 1e9, 2),
              gweights=round(weights / 1e9, 2), cp_s=round(t_cp, 2), convert_s=round(t_conv, 2),
              throughput_vs_cp=round(t_cp / t_conv, 3), in_process_s=stages.get("total"),
              in_process_vs_cp=round(t_cp / stages["total"], 3) if stages.get("total") else None,
              python_torch_cuda_startup_s=round(startup, 2), gweights_per_s=round(weights / t_conv / 1e9, 3),
              verify_s=round(t_ver, 2) if t_ver else None, stages=stages)
+        points.append((size / 1e9, t_cp, t_conv))
+    return points
 
 
 if __name__ == "__main__":

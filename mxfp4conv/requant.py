@@ -483,18 +483,25 @@ def requant_nvfp4_to_mxfp4(
     k = 2 * kh
     if k % MX_BLOCK:
         raise ValueError(f"K={k} is not a multiple of {MX_BLOCK}")
-    problem = validate_nvfp4_scales(w.scales, w.global_rows, divisor=w.global_is_divisor)
-    if problem is not None:
-        raise ValueError(f"invalid NVFP4 input: {problem}")
     if device.startswith("cuda"):
         from mxfp4conv.kernels.requant_triton import requant_nvfp4_gpu_chunks
 
-        # H2D, kernel and D2H of row chunks overlap on three streams; outputs land in pinned memory
+        # H2D, kernel and D2H of row chunks overlap on three streams; outputs land in pinned memory.
+        # The scales are validated after the run from the row maxima the device computed (the
+        # kernel is harmless on invalid input; nothing is returned before the check)
+        row_max = torch.empty(tuple(w.scales.shape[:-1]), dtype=torch.uint8)
         p, sc, st = requant_nvfp4_gpu_chunks(w.packed.contiguous(), w.scales.contiguous(),
                                              w.global_rows.float().contiguous(), w.global_is_divisor, rule,
-                                             device=device, chunk_rows=max(chunk_rows, GPU_MIN_CHUNK_ROWS))
+                                             device=device, chunk_rows=max(chunk_rows, GPU_MIN_CHUNK_ROWS),
+                                             scale_row_max=row_max)
+        problem = validate_nvfp4_scales(w.scales, w.global_rows, divisor=w.global_is_divisor, row_max=row_max)
+        if problem is not None:
+            raise ValueError(f"invalid NVFP4 input: {problem}")
         stats = RequantStats.from_row_stats(st.reshape(-1, st.shape[-1]), k // MX_BLOCK)
         return FP4Weight("mxfp4", p, sc), stats
+    problem = validate_nvfp4_scales(w.scales, w.global_rows, divisor=w.global_is_divisor)
+    if problem is not None:
+        raise ValueError(f"invalid NVFP4 input: {problem}")
     packed = w.packed.reshape(-1, kh)
     scales = w.scales.reshape(-1, k // 16)
     grows = w.global_rows.reshape(-1).float()

@@ -434,9 +434,10 @@ def test_cuda_device_dispatches_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -
     calls: list[tuple[tuple[int, ...], bool, ScaleRule, str, int]] = []
 
     def fake_chunks(p: torch.Tensor, s: torch.Tensor, g: torch.Tensor, divisor: bool, rule: ScaleRule, *,  # type: ignore[no-untyped-def]
-                    device: str, chunk_rows: int):
+                    device: str, chunk_rows: int, scale_row_max: torch.Tensor):
         calls.append((tuple(p.shape), divisor, rule, device, chunk_rows))
         kh = p.shape[-1]
+        scale_row_max.copy_((s.view(torch.uint8) & 0x7F).amax(-1))
         out = requant_rows_cpu(p.reshape(-1, kh), s.reshape(-1, 2 * kh // 16), g.reshape(-1), divisor, rule)
         return (out[0].reshape(*p.shape), out[1].reshape(*p.shape[:-1], 2 * kh // 32),
                 out[2].reshape(*p.shape[:-1], out[2].shape[-1]))
@@ -450,6 +451,14 @@ def test_cuda_device_dispatches_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -
     assert calls == [((2, 8, 32), True, ScaleRule.EVEN, "cuda:1", 5)]
     mx_cpu, st_cpu = requant_nvfp4_to_mxfp4(w, ScaleRule.EVEN)
     assert torch.equal(mx.packed, mx_cpu.packed) and st == st_cpu
+    bad = FP4Weight("nvfp4", w.packed, w.scales.view(torch.uint8).clone().view(torch.float8_e4m3fn), w.global_rows, True)
+    bad.scales.view(torch.uint8)[1, 3, 2] = 0x7F  # validated after the (fake) device run, same message
+    msgs = []
+    for device in ("cpu", "cuda:1"):
+        with pytest.raises(ValueError) as info:
+            requant_nvfp4_to_mxfp4(bad, ScaleRule.EVEN, device=device)
+        msgs.append(str(info.value))
+    assert msgs[0] == msgs[1] == "invalid NVFP4 input: NaN e4m3 block scale at index (1, 3, 2)"
 
 
 def test_strided_inputs_give_row_major_outputs() -> None:

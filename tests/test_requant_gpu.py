@@ -393,6 +393,43 @@ def test_chunked_driver_identical(pinned_in: bool) -> None:
                          f"chunked pinned_in={pinned_in} pin_output={pin_output}")
 
 
+@pytest.mark.skipif(_INTERPRET, reason="streams and pinned memory need CUDA")
+def test_chunked_driver_scale_row_max() -> None:
+    """The row maxima the driver computes on the device are the host's ``(bits & 0x7F).amax(-1)``,
+    for every byte (signs and NaN patterns included), across chunk boundaries."""
+    e, n, k = 2, 900, 256
+    packed, _, g = random_nvfp4(e * n, k, False, seed=12)
+    bits = torch.randint(0, 256, (e * n, k // 16), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    got = torch.full((e, n), 0xAA, dtype=torch.uint8)
+    requant_nvfp4_gpu_chunks(packed.reshape(e, n, -1), bits.reshape(e, n, -1), g.reshape(e, n), False, _rule("even"),
+                             chunk_rows=500, scale_row_max=got)
+    assert torch.equal(got.reshape(-1), (bits & 0x7F).amax(-1))
+
+
+@pytest.mark.skipif(_INTERPRET, reason="needs CUDA")
+@pytest.mark.parametrize("divisor", CONVENTIONS)
+def test_invalid_scales_same_error_as_cpu(divisor: bool) -> None:
+    """Invalid NVFP4 input through the GPU path (validated from the device's row maxima after the
+    run) raises the CPU path's error, word for word."""
+    from mxfp4conv.canonical import FP4Weight
+    from mxfp4conv.requant import requant_nvfp4_to_mxfp4
+
+    packed, sc, g = random_nvfp4(64, 256, divisor, seed=13)
+    bad_sc = sc.view(torch.uint8).clone()
+    bad_sc[37, 5] = 0xFF
+    bad_g = g.clone()
+    bad_g[50] = 0.0
+    for p_, s_, g_ in ((packed, bad_sc, g), (packed, sc, bad_g)):
+        w = FP4Weight("nvfp4", p_.reshape(2, 32, -1), s_.view(torch.float8_e4m3fn).reshape(2, 32, -1),
+                      g_.reshape(2, 32), divisor)
+        msgs = []
+        for device in ("cpu", "cuda"):
+            with pytest.raises(ValueError) as info:
+                requant_nvfp4_to_mxfp4(w, _rule("mse"), device=device)
+            msgs.append(str(info.value))
+        assert msgs[0] == msgs[1] and msgs[0].startswith("invalid NVFP4 input")
+
+
 @pytest.mark.skipif(_INTERPRET, reason="probes the compiled division")
 def test_plain_triton_division_probe() -> None:
     """Report (not a failure) how often Triton's default fp32 ``/`` differs from IEEE division on

@@ -71,7 +71,8 @@ def _first(mask: torch.Tensor) -> tuple[int, ...] | None:
 
 
 def validate_nvfp4_scales(
-    scales: torch.Tensor, global_rows: torch.Tensor, *, divisor: bool | None = None
+    scales: torch.Tensor, global_rows: torch.Tensor, *, divisor: bool | None = None,
+    row_max: torch.Tensor | None = None,
 ) -> str | None:
     """Describe the first problem in NVFP4 scales, or return None when they are valid.
 
@@ -79,7 +80,9 @@ def validate_nvfp4_scales(
     Checks, in order: NaN E4M3 block scales (0x7F / 0xFF), non-finite and zero second-level scales,
     and, when ``divisor`` is given, a block whose largest representable value (6 * scale, then * or /
     the global scale) reaches ``MAX_REQUANT_MAGNITUDE`` (overflows, or would make the MXFP4 values
-    overflow float32).
+    overflow float32). ``row_max``: the rows' ``(bits & 0x7F).amax(-1)`` when the caller has it
+    already (the GPU requant computes it on the device), so that the scales are read only to name a
+    bad element.
     """
     if tuple(global_rows.shape) != tuple(scales.shape[:-1]):
         return (
@@ -89,8 +92,11 @@ def validate_nvfp4_scales(
     # their bytes (sign cleared), the NaN pattern 0x7F is the largest, and multiplying or dividing
     # by one positive row scale is monotonic under rounding, so the row maxima decide every check
     # exactly; the full tensors are looked at only to name the first bad element.
-    bits = e4m3_bits(scales)
-    row_max = (bits & 0x7F).amax(dim=-1) if bits.shape[-1] else torch.zeros(bits.shape[:-1], dtype=torch.uint8)
+    if row_max is None:
+        bits = e4m3_bits(scales)
+        row_max = (bits & 0x7F).amax(dim=-1) if bits.shape[-1] else torch.zeros(bits.shape[:-1], dtype=torch.uint8)
+    elif tuple(row_max.shape) != tuple(scales.shape[:-1]) or row_max.dtype != torch.uint8:
+        raise ValueError(f"row_max must be uint8 {tuple(scales.shape[:-1])}, got {row_max.dtype} {tuple(row_max.shape)}")
     if bool((row_max == 0x7F).any()):
         return f"NaN e4m3 block scale at index {_first(e4m3_nan_mask(scales))}"
     g = global_rows.float()

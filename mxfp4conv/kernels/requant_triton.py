@@ -280,6 +280,7 @@ def requant_nvfp4_gpu_chunks(
     pin_output: bool = True,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     config: KernelConfig | None = None,
+    scale_row_max: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Requantize a host-resident NVFP4 stack on the GPU in bounded row chunks.
 
@@ -297,6 +298,10 @@ def requant_nvfp4_gpu_chunks(
         out: preallocated host outputs ``(packed_out, scales_out, row_stats)`` of the result's
             shapes (contiguous; pinned ones are written by the D2H copies directly).
         config: kernel launch shape.
+        scale_row_max: a host uint8 ``[..., N]`` tensor to fill with each row's largest E4M3
+            magnitude byte (``(bits & 0x7F).amax(-1)``), computed on the device from the scales it
+            holds anyway: what ``validate_nvfp4_scales(row_max=...)`` decides on, without a pass
+            over the scales on the host. The caller validates before using the results.
 
     Returns:
         Host tensors ``(packed_out [..., N, K/2], scales_out [..., N, K/32], row_stats [..., N, 5])``.
@@ -329,6 +334,14 @@ def requant_nvfp4_gpu_chunks(
         out_st = torch.empty((r, _STATS), dtype=torch.float64, pin_memory=pin)
     if r == 0:
         return out_p.reshape(*lead, half_k), out_s.reshape(*lead, k // 32), out_st.reshape(*lead, _STATS)
+    rmax = None
+    if scale_row_max is not None:
+        rmax = _flat_rows(scale_row_max, 0)
+        if tuple(rmax.shape) != (r,) or rmax.dtype != torch.uint8:
+            raise ValueError(f"scale_row_max must be uint8 of {r} rows, got {rmax.dtype} {tuple(scale_row_max.shape)}")
+        if k == 0:
+            rmax.zero_()
+            rmax = None
     cr = max(1, min(r, chunk_rows or max(1, (64 << 20) // k)))
     in_pinned = p2.is_pinned() and s2.is_pinned() and g1.is_pinned()
     out_pinned = out_p.is_pinned() and out_s.is_pinned() and out_st.is_pinned()
@@ -356,6 +369,7 @@ def requant_nvfp4_gpu_chunks(
 
     with torch.cuda.device(dev):
         slots = [slot(), slot()]
+        d_rmax = torch.empty((r,), dtype=torch.uint8, device=dev) if rmax is not None else None
         torch.cuda.current_stream(dev).synchronize()  # buffers exist before other streams use them
         s_h2d = torch.cuda.Stream(dev)
         s_cmp = torch.cuda.Stream(dev)
@@ -397,6 +411,8 @@ def requant_nvfp4_gpu_chunks(
                     s_cmp.wait_event(sl.d2h_done)  # the device output buffers are free
                 requant_rows_into(sl.d_packed[:n], sl.d_scales[:n], sl.d_global[:n], divisor, rule,
                                   sl.d_packed_out[:n], sl.d_scales_out[:n], sl.d_stats[:n], config)
+                if d_rmax is not None:
+                    torch.amax(torch.bitwise_and(sl.d_scales[:n], 0x7F), dim=1, out=d_rmax[a:b])
                 sl.compute_done.record(s_cmp)
             flush(sl)  # the staging output of chunk i-2 goes to the result before it is reused
             with torch.cuda.stream(s_d2h):
@@ -412,4 +428,6 @@ def requant_nvfp4_gpu_chunks(
             flush(sl)
         for stream in (s_h2d, s_cmp, s_d2h):
             stream.synchronize()
+        if d_rmax is not None and rmax is not None:
+            rmax.copy_(d_rmax)
     return out_p.reshape(*lead, half_k), out_s.reshape(*lead, k // 32), out_st.reshape(*lead, _STATS)

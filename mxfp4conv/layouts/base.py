@@ -298,6 +298,8 @@ def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, pin: 
     (torch's caching host allocator reuses them unit after unit: no page faults, direct DMA)."""
     import torch
 
+    from mxfp4conv.formats.fp4 import e4m3_has_nan
+
     t = ckpt.tensors
     num = len(groups[0])
     refs = [[t[f"{m}.{roles.packed}"] for m in g] for g in groups]
@@ -306,8 +308,7 @@ def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, pin: 
     packed = _stack_into(ckpt, [r for g in refs for r in g], num, rows, pin)
     scales = _stack_into(ckpt, [r for g in srefs for r in g], num, rows, pin)
     if roles.scale_dtype == "F8_E4M3":
-        nan = (scales & 0x7F) == 0x7F  # E4M3 NaN bit patterns
-        if bool(nan.any()):
+        if e4m3_has_nan(scales):
             for sg in srefs:
                 for ref in sg:
                     _checked_scale(ckpt, ref, roles)

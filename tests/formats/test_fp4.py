@@ -16,9 +16,11 @@ from mxfp4conv.formats.fp4 import (
     e2m1_decode,
     e2m1_encode,
     e4m3_decode,
+    e4m3_has_nan,
     e4m3_nan_mask,
     e8m0_decode,
     e8m0_encode,
+    e8m0_has_nan,
     pack_nibbles,
     pow2_float32,
     pow2_float64,
@@ -219,6 +221,19 @@ def test_e4m3_decode_golden_and_nan() -> None:
     assert torch.isnan(nan).all()
     mask = e4m3_nan_mask(torch.arange(256, dtype=torch.int32).to(torch.uint8))
     assert torch.nonzero(mask).flatten().tolist() == [0x7F, 0xFF]
+
+
+def test_nan_checks_every_byte_in_company() -> None:
+    """e4m3_has_nan / e8m0_has_nan against the masks, for every byte beside the bytes around the fast
+    path's threshold (it decides on the largest byte: 0x7E, 0x80..0xFE must not fool it)."""
+    for b in range(256):
+        for other in (0x00, 0x38, 0x7E, 0x7F, 0x80, 0xB8, 0xFE, 0xFF):
+            t = torch.tensor([[other, b], [0x38, 0x38]], dtype=torch.uint8)
+            nan = bool({b, other} & {0x7F, 0xFF})
+            assert e4m3_has_nan(t) == bool(e4m3_nan_mask(t).any()) == nan, (hex(b), hex(other))
+            assert e4m3_has_nan(t.view(torch.float8_e4m3fn)) == nan
+            assert e8m0_has_nan(t) == (0xFF in (b, other))
+    assert not e4m3_has_nan(torch.empty(0, 4, dtype=torch.uint8)) and not e8m0_has_nan(torch.empty(0, dtype=torch.uint8))
 
 
 def test_e4m3_matches_torch_cast_all_256() -> None:

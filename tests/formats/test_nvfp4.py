@@ -156,4 +156,15 @@ def test_validate_row_maxima_decide_like_every_element(divisor: bool) -> None:
         g = torch.where(nudge == 0, edge, g)
         g = torch.where(torch.rand(edge.shape, generator=gen) < 0.1, g, torch.ones_like(g))
         g = g * torch.where(torch.rand(edge.shape, generator=gen) < 0.3, -1.0, 1.0)
-        assert validate_nvfp4_scales(sc, g, divisor=divisor) == _validate_brute(sc, g, divisor), trial
+        want = _validate_brute(sc, g, divisor)
+        assert validate_nvfp4_scales(sc, g, divisor=divisor) == want, trial
+        row_max = (sc & 0x7F).amax(-1)  # what the GPU requant hands over
+        assert validate_nvfp4_scales(sc, g, divisor=divisor, row_max=row_max) == want, trial
+
+
+def test_validate_row_max_shape_checked() -> None:
+    sc = torch.full((2, 3, 4), E4M3_ONE, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="row_max"):
+        validate_nvfp4_scales(sc, torch.ones(2, 3), row_max=torch.zeros(2, 4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="row_max"):
+        validate_nvfp4_scales(sc, torch.ones(2, 3), row_max=torch.zeros(2, 3))
