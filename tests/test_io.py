@@ -282,3 +282,50 @@ def test_computed_buffers_batched_into_writev_survive_short_writes(
     assert set(back) == set(want)
     for name, t in want.items():
         assert torch.equal(back[name], t), name
+
+
+def test_header_entry_fast_path_agrees_with_the_checks(tmp_path: Path) -> None:
+    """The header parser's fast path (exact types, a few C-level calls) returns what the full checks
+    return for valid entries, and hands every invalid one to them (same error, same message)."""
+    from mxfp4conv.errors import InputError
+
+    p = tmp_path / "x.safetensors"
+    entries: list[object] = [
+        {"dtype": "U8", "shape": [4, 8], "data_offsets": [0, 32]},
+        {"dtype": "BF16", "shape": [], "data_offsets": [32, 34]},
+        {"dtype": "F32", "shape": [0, 5], "data_offsets": [34, 34]},
+        {"dtype": "U8", "shape": [True, 8], "data_offsets": [0, 8]},  # bool is not a dimension
+        {"dtype": "U8", "shape": [2.0, 8], "data_offsets": [0, 16]},
+        {"dtype": "U8", "shape": [-1, 8], "data_offsets": [0, 8]},
+        {"dtype": "U8", "shape": [2**48], "data_offsets": [0, 8]},
+        {"dtype": "U8", "shape": [1] * 9, "data_offsets": [0, 1]},
+        {"dtype": "U8", "shape": [4], "data_offsets": [0, True]},
+        {"dtype": "U8", "shape": [4], "data_offsets": [0, 4, 8]},
+        {"dtype": "U8", "shape": [4], "data_offsets": [4, 0]},
+        {"dtype": "U8", "shape": [4], "data_offsets": [0, 5]},
+        {"dtype": "U8", "shape": [4], "data_offsets": [96, 100]},  # beyond the data area
+        {"dtype": ["U8"], "shape": [4], "data_offsets": [0, 4]},
+        {"dtype": "Q9", "shape": [4], "data_offsets": [0, 4]},
+        {"dtype": "U8", "shape": "4", "data_offsets": [0, 4]},
+        {"shape": [4], "data_offsets": [0, 4]},
+        [1, 2],
+        "entry",
+    ]
+    for entry in entries:
+        results = []
+        for parse in (sio._parse_entry, sio._checked_entry):
+            try:
+                results.append(parse(str(p), p, "t", entry, 8, 64))
+            except InputError as exc:
+                results.append(str(exc))
+        assert results[0] == results[1], entry
+    assert isinstance(sio._parse_entry(str(p), p, "t", entries[0], 8, 64), sio.TensorRef)
+
+
+def test_header_json_duplicate_keys_at_any_depth() -> None:
+    import json
+
+    assert sio._no_duplicates([("a", 1), ("b", 2)]) == {"a": 1, "b": 2}
+    for text, key in (('{"t":{"dtype":"U8","dtype":"F32"}}', "dtype"), ('{"t":{},"u":{},"t":{}}', "t")):
+        with pytest.raises(ValueError, match=f"duplicate key '{key}'"):
+            json.loads(text, object_pairs_hook=sio._no_duplicates)

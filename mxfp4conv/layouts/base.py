@@ -217,9 +217,8 @@ def plan_split_layout(ckpt: Checkpoint, layout: str, roles: LinearRoles, facts: 
         unit = _plan_moe(ckpt, prefix, experts[prefix], roles, facts, problems, consumed)
         if unit:
             units.append(unit)
-    for name in sorted(tensors, key=_natural):
-        if name not in consumed:
-            units.append(UnitSpec("passthrough", name, (name,)))
+    for name in sorted((n for n in tensors if n not in consumed), key=_natural):  # keys of the few left only
+        units.append(UnitSpec("passthrough", name, (name,)))
     units.sort(key=lambda u: _natural(u.key))
     return Plan(layout, facts, units, problems)
 
