@@ -329,3 +329,15 @@ def test_header_json_duplicate_keys_at_any_depth() -> None:
     for text, key in (('{"t":{"dtype":"U8","dtype":"F32"}}', "dtype"), ('{"t":{},"u":{},"t":{}}', "t")):
         with pytest.raises(ValueError, match=f"duplicate key '{key}'"):
             json.loads(text, object_pairs_hook=sio._no_duplicates)
+
+
+def test_as_bytes_every_shape_and_dtype() -> None:
+    """The writer's view of a computed tensor: the tensor's bytes in row-major order, for the zero-copy
+    path (contiguous CPU uint8) and the general one (empty, 0-d, strided, other dtypes)."""
+    base = torch.arange(24, dtype=torch.uint8).view(4, 6)
+    cases = [base, base[1:3], base[:, :4], base.t(), torch.zeros(0, 5, dtype=torch.uint8),
+             torch.tensor(7, dtype=torch.uint8), torch.arange(6, dtype=torch.bfloat16), torch.zeros(0, dtype=torch.float32)]
+    for t in cases:
+        want = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert bytes(sio._as_bytes(t)) == want, (t.dtype, tuple(t.shape))
+    assert bytes(sio._as_bytes(b"abc")) == b"abc"

@@ -778,7 +778,8 @@ def _as_bytes(item: bytes | torch.Tensor) -> bytes | memoryview:
         return item
     import torch
 
-    if item.dtype == torch.uint8 and item.device.type == "cpu" and item.is_contiguous() and not item.requires_grad:
+    if (item.dtype == torch.uint8 and item.device.type == "cpu" and item.is_contiguous() and item.numel()
+            and not item.requires_grad):
         return memoryview(item.numpy()).cast("B")  # type: ignore[arg-type]
     t = item.detach().contiguous().cpu()
     if t.numel() == 0:
