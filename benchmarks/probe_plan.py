@@ -30,7 +30,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--layout", default="modelopt-nvfp4")
+    ap.add_argument("--torch", action="store_true", help="import torch first (a larger process, as after a conversion's start)")
     args = ap.parse_args()
+    if args.torch:
+        import torch  # noqa: F401
     gen_checkpoint.SHAPES["qwen3"] = {"experts": 128, "hidden": 64, "inter": 64}
     work = Path(tempfile.mkdtemp(prefix="probe_plan_"))
     try:
@@ -43,7 +46,7 @@ def main() -> None:
             t2 = time.perf_counter()
             source_fingerprint(ckpt)
             t3 = time.perf_counter()
-            print(json.dumps({"round": r + 1, "layout": args.layout, "tensors": len(ckpt.tensors), "units": len(plan.units),
+            print(json.dumps({"round": r + 1, "torch_imported": args.torch, "layout": args.layout, "tensors": len(ckpt.tensors), "units": len(plan.units),
                               "open_s": round(t1 - t0, 3), "analyze_s": round(t2 - t1, 3),
                               "fingerprint_s": round(t3 - t2, 3), "total_s": round(t3 - t0, 3)}), flush=True)
     finally:

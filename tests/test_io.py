@@ -341,3 +341,53 @@ def test_as_bytes_every_shape_and_dtype() -> None:
         want = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         assert bytes(sio._as_bytes(t)) == want, (t.dtype, tuple(t.shape))
     assert bytes(sio._as_bytes(b"abc")) == b"abc"
+
+
+def _raw_shard(path: Path, header: dict[str, object], data: bytes) -> Path:
+    import json
+
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return path
+
+
+def test_header_offsets_out_of_order_and_overlapping(tmp_path: Path) -> None:
+    """Tensors listed out of file order are fine when they do not overlap (the sorted check runs only
+    then); overlaps are found whatever the order, naming the later tensor of the pair in file order."""
+    def e(b: int, n: int) -> dict[str, object]:
+        return {"dtype": "U8", "shape": [n], "data_offsets": [b, b + n]}
+
+    refs, _ = sio.read_header(_raw_shard(tmp_path / "a.safetensors", {"b": e(4, 4), "a": e(0, 4), "z": e(8, 0)}, bytes(8)))
+    assert (refs["a"].nbytes, refs["b"].nbytes, refs["z"].nbytes) == (4, 4, 0)
+    for order in (("a", "b"), ("b", "a")):
+        spans = {"a": e(0, 6), "b": e(4, 4)}
+        path = _raw_shard(tmp_path / f"o{order[0]}.safetensors", {k: spans[k] for k in order}, bytes(8))
+        with pytest.raises(InputError, match="data of tensors a and b overlap") as info:
+            sio.read_header(path)
+        assert info.value.tensor == "b"
+
+
+def test_open_checkpoint_restores_the_collector(tmp_path: Path) -> None:
+    """The cyclic GC is paused while headers are parsed, and back on afterwards, after an error too
+    (and left off when the caller had it off)."""
+    import gc
+    import json
+
+    from mxfp4conv.io.checkpoint import open_checkpoint
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    save_file({"w": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    assert gc.isenabled()
+    assert set(open_checkpoint(tmp_path).tensors) == {"w"}
+    assert gc.isenabled()
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 4)
+    with pytest.raises(InputError):
+        open_checkpoint(tmp_path)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(InputError):
+            open_checkpoint(tmp_path)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +148,21 @@ def _shard_names(root: Path) -> tuple[list[str], dict[str, str] | None]:
     return names, None
 
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic collector paused while headers are parsed: they allocate ~5 objects per tensor
+    (74K tensors in a Qwen3-30B-A3B, 190K in a DeepSeek-V3) and hold no cycles, but every allocation
+    burst triggers collections that walk every live object again (~40% of ``open_checkpoint``, more
+    the larger the process: ``benchmarks/probe_plan.py``)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def open_checkpoint(src: str | Path, revision: str | None = None) -> Checkpoint:
     """Enumerate a checkpoint from its headers, config.json and (if present) hf_quant_config.json."""
     root, repo_id, rev = resolve_source(str(src), revision)
@@ -162,38 +180,39 @@ def open_checkpoint(src: str | Path, revision: str | None = None) -> Checkpoint:
     hqc_path = root / "hf_quant_config.json"
     hqc = load_json(hqc_path, what="hf_quant_config.json") if hqc_path.exists() else None
 
-    names, wmap = _shard_names(root)
-    tensors: dict[str, TensorRef] = {}
-    files: list[Path] = []
-    metas: dict[str, dict[str, str]] = {}
-    for name in names:
-        path = _inside(root, name, "shard", root / INDEX_NAME if wmap is not None else None)
-        try:
-            is_file = path.is_file()
-        except OSError as exc:  # e.g. ENAMETOOLONG: Path.is_file() only swallows "not found" errors
-            raise InputError(f"cannot read shard {name!r}: {exc.strerror}", file=str(path)) from exc
-        if not is_file:
-            if wmap is None:
-                raise InputError(f"shard {name!r} is not a regular file", file=str(path),
-                                 hint="replace it with the real shard file")
-            raise InputError(f"shard {name!r} listed in the index does not exist", file=str(path),
-                             hint="download the missing shard")
-        files.append(path)
-        shard, meta = read_header(path)
-        metas[name] = meta
-        for tname, ref in shard.items():
-            if tname in tensors:
-                raise InputError(f"tensor also stored in {tensors[tname].file.name}", file=str(path),
-                                 tensor=tname, hint="remove the duplicate shard")
-            if wmap is not None and wmap.get(tname) != name:
-                raise InputError(f"tensor is in this shard but the index maps it to {wmap.get(tname)!r}",
-                                 file=str(path), tensor=tname, hint="regenerate model.safetensors.index.json")
-            tensors[tname] = ref
-    if wmap is not None:
-        missing = sorted(set(wmap) - set(tensors))
-        if missing:
-            raise InputError(f"index lists the tensor in {wmap[missing[0]]} but the shard does not hold it"
-                             f" ({len(missing)} missing)", file=str(root / wmap[missing[0]]),
-                             tensor=missing[0], hint="download the shard again")
+    with _gc_paused():  # the index and every shard header
+        names, wmap = _shard_names(root)
+        tensors: dict[str, TensorRef] = {}
+        files: list[Path] = []
+        metas: dict[str, dict[str, str]] = {}
+        for name in names:
+            path = _inside(root, name, "shard", root / INDEX_NAME if wmap is not None else None)
+            try:
+                is_file = path.is_file()
+            except OSError as exc:  # e.g. ENAMETOOLONG: Path.is_file() only swallows "not found" errors
+                raise InputError(f"cannot read shard {name!r}: {exc.strerror}", file=str(path)) from exc
+            if not is_file:
+                if wmap is None:
+                    raise InputError(f"shard {name!r} is not a regular file", file=str(path),
+                                     hint="replace it with the real shard file")
+                raise InputError(f"shard {name!r} listed in the index does not exist", file=str(path),
+                                 hint="download the missing shard")
+            files.append(path)
+            shard, meta = read_header(path)
+            metas[name] = meta
+            for tname, ref in shard.items():
+                if tname in tensors:
+                    raise InputError(f"tensor also stored in {tensors[tname].file.name}", file=str(path),
+                                     tensor=tname, hint="remove the duplicate shard")
+                if wmap is not None and wmap.get(tname) != name:
+                    raise InputError(f"tensor is in this shard but the index maps it to {wmap.get(tname)!r}",
+                                     file=str(path), tensor=tname, hint="regenerate model.safetensors.index.json")
+                tensors[tname] = ref
+        if wmap is not None:
+            missing = sorted(set(wmap) - set(tensors))
+            if missing:
+                raise InputError(f"index lists the tensor in {wmap[missing[0]]} but the shard does not hold it"
+                                 f" ({len(missing)} missing)", file=str(root / wmap[missing[0]]),
+                                 tensor=missing[0], hint="download the shard again")
     return Checkpoint(root=root, config=config, tensors=tensors, shard_files=files, hf_quant_config=hqc,
                       shard_metadata=metas, repo_id=repo_id, revision=rev)
