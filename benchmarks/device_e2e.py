@@ -77,6 +77,7 @@ def main() -> None:
                            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, **kw})
         print(line, flush=True)
         log.write(line + "\n")
+        log.flush()  # a call cut off by the device's time limit keeps every line it printed
 
     w = args.work
     shutil.rmtree(w, ignore_errors=True)

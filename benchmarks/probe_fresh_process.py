@@ -114,6 +114,7 @@ def main() -> None:
             doc = {"round": rnd, "layers": args.layers, "date": time.strftime("%Y-%m-%d"), **json.loads(res)}
             print(json.dumps(doc), flush=True)
             log.write(json.dumps(doc) + "\n")
+            log.flush()
     shutil.rmtree(args.work, ignore_errors=True)
 
 

@@ -394,9 +394,11 @@ def _validate_mx(unit: Any, spec: UnitSpec, ckpt: Checkpoint) -> None:
 
 
 def _first_bad_scale(ckpt: Checkpoint, names: list[str]) -> str | None:
+    from mxfp4conv.formats.fp4 import e8m0_has_nan
+
     for n in names:
         ref = ckpt.tensors[n]
-        if ref.dtype == "U8" and bool((ref.load() == 0xFF).any()):
+        if ref.dtype == "U8" and e8m0_has_nan(ref.load()):
             return n
     return None
 
