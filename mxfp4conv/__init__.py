@@ -1,10 +1,71 @@
 """mxfp4conv: offline conversion of FP4 mixture-of-experts checkpoints.
 
-Public API: ``inspect_checkpoint``, ``convert``, ``verify_output`` and the ``ConvertError`` family.
+Public API::
+
+    from mxfp4conv import ConvertOptions, convert, inspect_checkpoint, verify_output
+
+    report = inspect_checkpoint("./ckpt")                        # InspectReport (header-only)
+    result = convert("./ckpt", "./out", ConvertOptions(target="ct"))  # ConvertReport
+    check = verify_output("./ckpt", "./out")                     # VerifyReport
+
+and the ``ConvertError`` family (``InputError``, ``UsageError``, ``OutputError``,
+``VerificationFailed``), each carrying the process exit code the CLI uses (``exit_code``).
+
+``import mxfp4conv`` stays light: the functions and report classes are imported on first use
+(PEP 562), so neither torch nor the pipeline is loaded until one of them is asked for.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+from mxfp4conv.errors import ConvertError, InputError, OutputError, UsageError, VerificationFailed
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "ConvertError",
+    "ConvertOptions",
+    "ConvertReport",
+    "InputError",
+    "InspectReport",
+    "OutputError",
+    "UsageError",
+    "VerificationFailed",
+    "VerifyReport",
+    "__version__",
+    "convert",
+    "inspect_checkpoint",
+    "verify_output",
+]
+
+# name -> the module that defines it (imported on first access)
+_LAZY = {
+    "ConvertOptions": "mxfp4conv.pipeline",
+    "ConvertReport": "mxfp4conv.pipeline",
+    "convert": "mxfp4conv.pipeline",
+    "InspectReport": "mxfp4conv.inspect",
+    "inspect_checkpoint": "mxfp4conv.inspect",
+    "VerifyReport": "mxfp4conv.verify",
+    "verify_output": "mxfp4conv.verify",
+}
+
+if TYPE_CHECKING:
+    from mxfp4conv.inspect import InspectReport, inspect_checkpoint
+    from mxfp4conv.pipeline import ConvertOptions, ConvertReport, convert
+    from mxfp4conv.verify import VerifyReport, verify_output
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mxfp4conv' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
