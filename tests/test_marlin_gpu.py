@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _golden_dir() -> Path | None:
     env = os.environ.get("MXFP4CONV_GOLDEN_MARLIN")
     cands = [Path(env)] if env else []
-    cands += [REPO / "tests" / "data" / "golden_marlin", REPO.parent / "shared" / "golden" / "marlin"]
+    cands += [REPO / "tests" / "data" / "golden_marlin"]
     return next((c for c in cands if (c / "index.json").is_file()), None)
 
 

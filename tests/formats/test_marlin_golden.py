@@ -1,7 +1,6 @@
 """Marlin FP4 layout: every golden case (vLLM 0.33.0) byte for byte (round trips: test_marlin_roundtrip.py).
 
-Golden folder: ``$MXFP4CONV_GOLDEN_MARLIN`` if set, else the in-repo copy ``tests/data/golden_marlin``
-(present on a fresh clone), else ``<repo>/../shared/golden/marlin``.
+Golden folder: ``$MXFP4CONV_GOLDEN_MARLIN`` if set, else ``tests/data/golden_marlin`` (in the repository).
 """
 
 from __future__ import annotations
@@ -19,12 +18,11 @@ from mxfp4conv.formats import marlin as M
 
 REPO = Path(__file__).resolve().parents[2]
 COPY = REPO / "tests" / "data" / "golden_marlin"
-SHARED = REPO.parent / "shared" / "golden" / "marlin"
 
 
 def _resolve() -> Path | None:
     env = os.environ.get("MXFP4CONV_GOLDEN_MARLIN")
-    cands = ([Path(env)] if env else []) + [COPY, SHARED]
+    cands = ([Path(env)] if env else []) + [COPY]
     return next((c for c in cands if (c / "index.json").is_file()), None)
 
 
@@ -78,15 +76,6 @@ def test_golden_index_matches_files() -> None:
         assert meta == case["meta"]
         stored = {k: [str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in t.items()}
         assert stored == case["tensors"], case["file"]
-
-
-def test_repo_copy_matches_shared() -> None:
-    if not SHARED.is_dir():
-        pytest.skip("../shared/golden/marlin not present")
-    names = sorted(p.name for p in SHARED.iterdir() if p.is_file())
-    assert names == sorted(p.name for p in COPY.iterdir() if p.is_file())
-    for name in names:
-        assert (COPY / name).read_bytes() == (SHARED / name).read_bytes(), name
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
