@@ -1,6 +1,6 @@
 """FP4 Marlin layout (vLLM ``gptq_marlin_repack`` + scale / bias permutations), pure torch.
 
-Spec: ``docs/MARLIN.md`` (shared); byte reference: ``golden/marlin`` (vLLM 0.33.0). Every function is
+Spec: ``docs/MARLIN.md``; byte reference: ``tests/data/golden_marlin`` (vLLM 0.33.0). Every function is
 device-agnostic and uses only reshapes, permutes, small cached index tables and integer / bit ops,
 so CPU and CUDA produce identical bytes. Leading dims (e.g. the expert dim E) are batch dims: a
 ``[E, N, K/2]`` input is transformed per expert exactly like a dense ``[N, K/2]`` one.
