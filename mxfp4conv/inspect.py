@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from mxfp4conv.io.checkpoint import Checkpoint, open_checkpoint
-from mxfp4conv.layouts import Plan, Problem, detect_layout
+from mxfp4conv.layouts import Layout, Plan, Problem, detect_layout, is_config_evidence
+from mxfp4conv.precision import build_precision
 from mxfp4conv.writers import WriterContext, valid_targets
 
 __all__ = ["SCHEMA_VERSION", "InspectReport", "analyze", "inspect_checkpoint", "writer_context"]
@@ -55,6 +56,9 @@ class InspectReport:
             "intermediate_size": f.intermediate_size,
             "num_dense_fp4_layers": kinds.count("dense"),
             "num_passthrough_tensors": kinds.count("passthrough"),
+            "precision": self.plan.precision.counts(fp4_experts(self.plan), kinds.count("dense")),
+            "kv_cache": self.plan.precision.kv_cache,
+            "inferred_layout": self.plan.precision.inferred,
             "expert_names": list(f.expert_names),
             "ignore": list(f.ignore),
             "tensors": self.tensors,
@@ -65,9 +69,35 @@ class InspectReport:
         }
 
 
+def fp4_experts(plan: Plan) -> int:
+    """Routed-expert projections held in FP4 (three per expert: gate, up, down)."""
+    return sum(3 * u.dims[0] for u in plan.units if u.kind == "moe")
+
+
 def writer_context(plan: Plan, ckpt: Checkpoint, options: dict[str, str] | None = None) -> WriterContext:
     pt = {u.key: (ckpt.tensors[u.key].dtype, ckpt.tensors[u.key].shape) for u in plan.units if u.kind == "passthrough"}
-    return WriterContext(plan.facts, plan.layout, plan.units, pt, options or {})
+    return WriterContext(plan.facts, plan.layout, plan.units, pt, options or {}, plan.precision)
+
+
+def _fp4_modules(plan: Plan) -> list[str]:
+    out = []
+    for u in plan.units:
+        if u.kind == "dense":
+            out.append(u.key)
+        elif u.kind == "moe" and not u.extra.get("fused") and "gate" in u.extra:
+            out += [f"{u.key}.{e}.{u.extra[r]}" for e in range(u.dims[0]) for r in ("gate", "up", "down")]
+    return out
+
+
+def _precision(ckpt: Checkpoint, layout: Layout, plan: Plan, evidence: list[str]) -> list[Problem]:
+    """The plan's precision model (every non-FP4 Linear, the KV cache), cross-checked with the config."""
+    pt = {u.key: (ckpt.tensors[u.key].dtype, ckpt.tensors[u.key].shape) for u in plan.units if u.kind == "passthrough"}
+    linears = {n[: -len(".weight")]: v for n, v in pt.items() if n.endswith(".weight") and len(v[1]) == 2}
+    declared = layout.declared(ckpt)
+    inferred = not any(is_config_evidence(e) for e in evidence)
+    plan.precision, found = build_precision(linears, pt, _fp4_modules(plan), declared, inferred=inferred)
+    where = str(ckpt.root / declared.source)
+    return [Problem(module, where, message) for module, message in found]
 
 
 def _ignore_problems(ckpt: Checkpoint, plan: Plan) -> list[Problem]:
@@ -99,12 +129,13 @@ def _valid(rx: str) -> bool:
     return True
 
 
-def analyze(ckpt: Checkpoint) -> tuple[Any, Plan, list[str]]:
+def analyze(ckpt: Checkpoint) -> tuple[Layout, Plan, list[str]]:
     """(layout module, plan, evidence) of an opened checkpoint."""
     layout, evidence = detect_layout(ckpt)
     plan = layout.plan(ckpt)
     plan.evidence = evidence
     plan.problems.extend(_ignore_problems(ckpt, plan))
+    plan.problems.extend(_precision(ckpt, layout, plan, evidence))
     if plan.facts.num_experts == 0 and not any(u.kind == "moe" for u in plan.units):
         plan.problems.append(Problem("", str(ckpt.root / "config.json"),
                                      "no MoE experts found (config has no num_experts and no expert tensors matched)"))

@@ -19,6 +19,7 @@ from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, ModelFacts, MoEL
 from mxfp4conv.errors import InputError
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.io.safetensors_io import TensorRef, read_many, tensor_view
+from mxfp4conv.precision import Declared, PrecisionModel
 
 __all__ = [
     "EXPERT_RE",
@@ -27,6 +28,7 @@ __all__ = [
     "Plan",
     "Problem",
     "config_facts",
+    "expert_names",
     "plan_split_layout",
     "read_split_unit",
 ]
@@ -49,10 +51,13 @@ class Plan:
     units: list[UnitSpec]
     problems: list[Problem] = field(default_factory=list)
     evidence: list[str] = field(default_factory=list)
+    precision: PrecisionModel = field(default_factory=PrecisionModel)
 
 
 class Layout(Protocol):
-    name: str
+    """An input layout: a module of ``mxfp4conv.layouts`` registered in ``LAYOUTS``."""
+
+    NAME: str
 
     def detect(self, ckpt: Checkpoint) -> list[str] | None:
         """Evidence (config keys, tensor names) if the checkpoint is in this layout, else None."""
@@ -62,6 +67,9 @@ class Layout(Protocol):
 
     def read(self, ckpt: Checkpoint, spec: UnitSpec, *, pin: bool = False) -> Canonical:
         """Load one unit into the canonical model."""
+
+    def declared(self, ckpt: Checkpoint) -> Declared:
+        """What the source's quantization config says about its layers (exclusions, listed modules, KV cache)."""
 
 
 def text_config(config: dict[str, object]) -> dict[str, object]:
@@ -99,6 +107,15 @@ def config_facts(config: dict[str, object], *, scheme: str, quant: str, expert_n
     )
 
 
+def expert_names(ckpt: Checkpoint) -> tuple[str, str, str]:
+    """The source's (gate, up, down) expert projection names: Mixtral-style ``w1/w3/w2`` or ``*_proj``."""
+    for n in ckpt.tensors:
+        m = EXPERT_RE.match(n)
+        if m and m["proj"] in ("w1", "w2", "w3"):
+            return ("w1", "w3", "w2")
+    return ("gate_proj", "up_proj", "down_proj")
+
+
 # Per-expert split names: "<prefix>.experts.<e>.<proj>.<suffix>"
 EXPERT_RE = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<suffix>[A-Za-z0-9_]+)$")
 _GATE_UP_DOWN = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
@@ -115,7 +132,9 @@ class LinearRoles:
     quant: str  # "mxfp4" | "nvfp4"
     global_scale: str | None = None  # "weight_global_scale" (divisor) / "weight_scale_2" (multiplier)
     global_is_divisor: bool = False
-    input_scale: str | None = None  # "input_global_scale" / "input_scale"
+    input_scale: str | None = None  # "input_global_scale" / "input_scale" / "input_scale_2"
+    packed_dtypes: tuple[str, ...] = ("U8",)  # DeepSeek-V4 stores packed E2M1 as I8
+    global_dtypes: tuple[str, ...] = ("F32",)  # Quark NVFP4 allows a bf16 scalar
 
     def partners(self) -> tuple[str, ...]:
         return tuple(s for s in (self.scale, self.global_scale) if s)
@@ -125,7 +144,7 @@ class LinearRoles:
 
 
 def _is_fp4_primary(ref: TensorRef, roles: LinearRoles, tensors: dict[str, TensorRef]) -> bool:
-    if ref.dtype != "U8" or len(ref.shape) < 2:
+    if ref.dtype not in roles.packed_dtypes or len(ref.shape) < 2:
         return False
     module = ref.name[: -len(roles.packed) - 1]
     # A ModelOpt "weight" is FP4 only when its block scale is there; a bare uint8 weight with no
@@ -164,8 +183,9 @@ def _check_linear(ckpt: Checkpoint, module: str, roles: LinearRoles, problems: l
         ok = False
     if roles.global_scale:
         g = t[f"{module}.{roles.global_scale}"]
-        if g.dtype != "F32" or g.nbytes != 4:
-            problems.append(Problem(g.name, ckpt.rel(g.file), f"global scale must be one float32, got {g.dtype}{list(g.shape)}"))
+        if g.dtype not in roles.global_dtypes or math.prod(g.shape) != 1:
+            problems.append(Problem(g.name, ckpt.rel(g.file), f"global scale must be one "
+                                    f"{' or '.join(roles.global_dtypes)} value, got {g.dtype}{list(g.shape)}"))
             ok = False
     bias = t.get(f"{module}.bias")
     if bias is not None and list(bias.shape) != [rows]:

@@ -1,4 +1,9 @@
-"""What the two compressed-tensors layouts share: config evidence, scheme, ignore list."""
+"""What the compressed-tensors layouts share: config evidence, scheme, declared precisions.
+
+AutoRound's ``auto_round:llm_compressor`` export writes the same tensors as compressed-tensors MXFP4
+under its own config (``quant_method: auto-round``, ``data_type: mx_fp``, ``bits``, ``group_size``,
+``act_bits``): it is read here too, with that config parsed (docs/FORMATS.md §1.5).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,8 @@ from typing import Any
 
 from mxfp4conv.canonical import ModelFacts
 from mxfp4conv.io.checkpoint import Checkpoint
-from mxfp4conv.layouts.base import EXPERT_RE, Plan, config_facts
+from mxfp4conv.layouts.base import config_facts, expert_names
+from mxfp4conv.precision import Declared, Precision
 
 FMT_KEY = "quantization_config.format"
 
@@ -14,6 +20,12 @@ FMT_KEY = "quantization_config.format"
 def qconfig(ckpt: Checkpoint) -> dict[str, Any]:
     q = ckpt.config.get("quantization_config") or ckpt.config.get("compression_config")
     return q if isinstance(q, dict) else {}
+
+
+def is_autoround_mxfp4(q: dict[str, Any]) -> bool:
+    """AutoRound's llm-compressor-compatible MXFP4 export (W4A16 or W4A4)."""
+    return (q.get("quant_method") in ("auto-round", "auto_round") and "llm_compressor" in str(q.get("packing_format", ""))
+            and str(q.get("data_type", "")).startswith("mx_fp") and q.get("bits") == 4 and q.get("group_size") == 32)
 
 
 def formats(q: dict[str, Any]) -> set[str]:
@@ -26,6 +38,10 @@ def formats(q: dict[str, Any]) -> set[str]:
 
 def config_evidence(ckpt: Checkpoint, fmt: str) -> list[str]:
     q = qconfig(ckpt)
+    if fmt == "mxfp4-pack-quantized" and is_autoround_mxfp4(q):
+        return [f"config.json quantization_config.quant_method = {q['quant_method']}",
+                f"config.json quantization_config.packing_format = {q['packing_format']}",
+                f"config.json quantization_config.data_type = {q['data_type']}"]
     if q.get("quant_method") != "compressed-tensors":
         return []
     ev = ["config.json quantization_config.quant_method = compressed-tensors"]
@@ -36,26 +52,63 @@ def config_evidence(ckpt: Checkpoint, fmt: str) -> list[str]:
 
 
 def scheme(q: dict[str, Any]) -> str:
+    if is_autoround_mxfp4(q):
+        act = q.get("act_bits")
+        return "w4a4" if isinstance(act, int) and act <= 8 else "w4a16"
     groups = q.get("config_groups")
     if isinstance(groups, dict):
         for g in groups.values():
-            if isinstance(g, dict) and g.get("input_activations"):
+            if isinstance(g, dict) and g.get("input_activations") and _group_precision(g) in ("mxfp4", "nvfp4"):
                 return "w4a4"
     return "w4a16"
 
 
+def _group_precision(group: dict[str, Any]) -> Precision | None:
+    w = group.get("weights")
+    if not isinstance(w, dict) or w.get("type") != "float":
+        return None
+    if w.get("num_bits") == 4:
+        return "mxfp4" if w.get("group_size") == 32 else "nvfp4" if w.get("group_size") == 16 else None
+    if w.get("num_bits") == 8:
+        return "fp8-block" if w.get("strategy") == "block" else "fp8-tensor" if w.get("strategy") == "tensor" else None
+    return None
+
+
+def _ignore(q: dict[str, Any]) -> list[str]:
+    ignore = q.get("ignore")
+    return [str(x) for x in ignore] if isinstance(ignore, list) else []
+
+
+def declared(ckpt: Checkpoint) -> Declared:
+    """compressed-tensors: ``ignore`` and the groups that target modules by name or ``re:`` (class-name
+    targets such as ``Linear`` cover every other Linear); AutoRound: ``extra_config`` entries kept at 16 bits."""
+    q = qconfig(ckpt)
+    if is_autoround_mxfp4(q):
+        extra = q.get("extra_config")
+        kept = [str(m) for m, c in extra.items() if isinstance(c, dict) and isinstance(c.get("bits"), int)
+                and c["bits"] >= 16] if isinstance(extra, dict) else []
+        return Declared(unquantized=tuple(kept))
+    listed: dict[str, Precision] = {}
+    by_class = False
+    groups = q.get("config_groups")
+    for g in groups.values() if isinstance(groups, dict) else ():
+        targets = g.get("targets") if isinstance(g, dict) else None
+        prec = _group_precision(g) if isinstance(g, dict) else None
+        for t in targets if isinstance(targets, list) else ():
+            if not isinstance(t, str):
+                continue
+            if t.startswith("re:") or "." in t:
+                if prec is not None:
+                    listed[t] = prec
+            else:
+                by_class = True  # "Linear" and other class names
+    kv = q.get("kv_cache_scheme")
+    fp8_kv = isinstance(kv, dict) and kv.get("num_bits") == 8 and kv.get("type") == "float"
+    return Declared(unquantized=tuple(_ignore(q)), listed=listed, exhaustive=bool(listed) and not by_class,
+                    kv_cache="fp8" if fp8_kv else None)
+
+
 def facts(ckpt: Checkpoint, quant: str) -> ModelFacts:
     q = qconfig(ckpt)
-    ignore = q.get("ignore") if isinstance(q.get("ignore"), list) else []
-    names = ("gate_proj", "up_proj", "down_proj")
-    for n in ckpt.tensors:
-        m = EXPERT_RE.match(n)
-        if m and m["proj"] in ("w1", "w2", "w3"):
-            names = ("w1", "w3", "w2")
-            break
-    return config_facts(ckpt.config, scheme=scheme(q), quant=quant, expert_names=names,
-                        ignore=tuple(str(x) for x in ignore or ()))
-
-
-def finish_plan(ckpt: Checkpoint, plan: Plan) -> Plan:
-    return plan
+    return config_facts(ckpt.config, scheme=scheme(q), quant=quant, expert_names=expert_names(ckpt),
+                        ignore=tuple(declared(ckpt).unquantized))

@@ -16,6 +16,8 @@ FORMAT = "mxfp4-pack-quantized"
 ROLES = LinearRoles(packed="weight_packed", scale="weight_scale", scale_dtype="U8", group=32, quant="mxfp4")
 _FUSED = ("gate_up_proj_packed", "gate_up_proj_scale", "down_proj_packed", "down_proj_scale")
 
+declared = ct_common.declared
+
 
 def detect(ckpt: Checkpoint) -> list[str] | None:
     ev = ct_common.config_evidence(ckpt, FORMAT)
@@ -58,8 +60,7 @@ def _fused(ckpt: Checkpoint, consumed: set[str], problems: list[Problem], units:
 
 def plan(ckpt: Checkpoint) -> Plan:
     facts = ct_common.facts(ckpt, "mxfp4")
-    p = plan_split_layout(ckpt, NAME, ROLES, facts, fused=_fused)
-    return ct_common.finish_plan(ckpt, p)
+    return plan_split_layout(ckpt, NAME, ROLES, facts, fused=_fused)
 
 
 def read(ckpt: Checkpoint, spec: UnitSpec, *, pin: bool = False) -> Canonical:

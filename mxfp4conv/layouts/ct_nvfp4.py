@@ -16,6 +16,8 @@ FORMAT = "nvfp4-pack-quantized"
 ROLES = LinearRoles(packed="weight_packed", scale="weight_scale", scale_dtype="F8_E4M3", group=16, quant="nvfp4",
                     global_scale="weight_global_scale", global_is_divisor=True, input_scale="input_global_scale")
 
+declared = ct_common.declared
+
 
 def detect(ckpt: Checkpoint) -> list[str] | None:
     ev = ct_common.config_evidence(ckpt, FORMAT)
@@ -26,7 +28,7 @@ def detect(ckpt: Checkpoint) -> list[str] | None:
 
 
 def plan(ckpt: Checkpoint) -> Plan:
-    return ct_common.finish_plan(ckpt, plan_split_layout(ckpt, NAME, ROLES, ct_common.facts(ckpt, "nvfp4")))
+    return plan_split_layout(ckpt, NAME, ROLES, ct_common.facts(ckpt, "nvfp4"))
 
 
 def read(ckpt: Checkpoint, spec: UnitSpec, *, pin: bool = False) -> Canonical:

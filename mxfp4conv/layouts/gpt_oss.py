@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 from mxfp4conv.canonical import Canonical, FP4Weight, MoELayer, Passthrough, UnitSpec
 from mxfp4conv.errors import InputError
 from mxfp4conv.io.checkpoint import Checkpoint
-from mxfp4conv.layouts.base import Plan, Problem, config_facts
+from mxfp4conv.layouts.base import Plan, Problem, _natural, config_facts
+from mxfp4conv.precision import Declared, fnmatch_to_re
 
 NAME = "gpt-oss"
 _PARTS = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
@@ -53,6 +54,13 @@ def interleave_rows(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     return x.index_select(dim, idx)
 
 
+def declared(ckpt: Checkpoint) -> Declared:
+    """``modules_to_not_convert`` name modules and everything under them (transformers matches prefixes)."""
+    q = ckpt.config.get("quantization_config")
+    keep = q.get("modules_to_not_convert") if isinstance(q, dict) else None
+    return Declared(unquantized=tuple(fnmatch_to_re(str(x), children=True) for x in keep or ()))
+
+
 def plan(ckpt: Checkpoint) -> Plan:
     q = ckpt.config.get("quantization_config")
     ignore = q.get("modules_to_not_convert") if isinstance(q, dict) else None
@@ -86,7 +94,6 @@ def plan(ckpt: Checkpoint) -> Plan:
     for name in t:
         if name not in consumed:
             units.append(UnitSpec("passthrough", name, (name,)))
-    from mxfp4conv.layouts.base import _natural
     units.sort(key=lambda u: _natural(u.key))
     return Plan(NAME, facts, units, problems)
 

@@ -3,7 +3,9 @@
 Per quantized Linear: ``weight`` uint8 [N, K/2], ``weight_scale`` float8_e4m3fn [N, K/16],
 ``weight_scale_2`` float32 scalar (a multiplier), ``input_scale`` (W4A4). The config lives in
 ``hf_quant_config.json`` and/or ``config.json`` (``quant_method: modelopt``); ``exclude_modules``
-are fnmatch wildcards.
+are fnmatch wildcards. ``quant_algo: MIXED_PRECISION`` lists every quantized module in
+``quantized_layers`` (NVFP4, FP8 per-tensor, FP8_PB_WO 128x128 blocks); modules it does not list are
+unquantized. ``kv_cache_quant_algo: FP8`` quantizes the KV cache (k/v scales carried as tensors).
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from mxfp4conv.canonical import Canonical, UnitSpec
 from mxfp4conv.errors import InputError
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts.base import (
-    EXPERT_RE,
     LinearRoles,
     Plan,
     config_facts,
+    expert_names,
     plan_split_layout,
     read_split_unit,
 )
+from mxfp4conv.precision import Declared, Precision
 
 NAME = "modelopt-nvfp4"
 ROLES = LinearRoles(packed="weight", scale="weight_scale", scale_dtype="F8_E4M3", group=16, quant="nvfp4",
@@ -41,13 +44,46 @@ def quant_info(ckpt: Checkpoint) -> tuple[dict[str, Any], list[str]]:
     if isinstance(hq, dict) and isinstance(hq.get("quantization"), dict):
         ev.append("hf_quant_config.json quantization.quant_algo = " + str(hq["quantization"].get("quant_algo")))
         info.update(hq["quantization"])
-    if ev and str(info.get("quant_algo", "")).upper() not in ("NVFP4", "FP4"):
+    if ev and not _has_nvfp4(info):
         return info, []
     return info, ev
 
 
+# ModelOpt quant_algo names (modelopt/torch/export/quant_utils.py) -> precision
+_ALGOS: dict[str, Precision] = {"NVFP4": "nvfp4", "FP4": "nvfp4", "FP8": "fp8-tensor", "FP8_PB_WO": "fp8-block",
+                                "FP8_BLOCK": "fp8-block", "FP8_PB": "fp8-block"}
+
+
+def _listed(info: dict[str, Any]) -> dict[str, Precision]:
+    layers = info.get("quantized_layers")
+    out: dict[str, Precision] = {}
+    for module, cfg in layers.items() if isinstance(layers, dict) else ():
+        algo = str(cfg.get("quant_algo", "")).upper() if isinstance(cfg, dict) else ""
+        if algo in _ALGOS:
+            out[str(module)] = _ALGOS[algo]
+    return out
+
+
+def _has_nvfp4(info: dict[str, Any]) -> bool:
+    algo = str(info.get("quant_algo", "")).upper()
+    return algo in ("NVFP4", "FP4") or (algo == "MIXED_PRECISION" and "nvfp4" in _listed(info).values())
+
+
+def declared(ckpt: Checkpoint) -> Declared:
+    info, _ = quant_info(ckpt)
+    exclude = info.get("exclude_modules") or []
+    mixed = str(info.get("quant_algo", "")).upper() == "MIXED_PRECISION"
+    kv = str(info.get("kv_cache_quant_algo") or "").upper()
+    return Declared(unquantized=tuple(x for x in exclude if isinstance(x, str)) if isinstance(exclude, list) else (),
+                    listed=_listed(info) if mixed else {}, exhaustive=mixed, kv_cache="fp8" if kv == "FP8" else None,
+                    source="hf_quant_config.json" if ckpt.hf_quant_config else "config.json")
+
+
 def detect(ckpt: Checkpoint) -> list[str] | None:
     _, ev = quant_info(ckpt)
+    q = ckpt.config.get("quantization_config")
+    if isinstance(q, dict) and q.get("quant_method") == "quark":
+        return None  # Quark NVFP4 names its global scale weight_scale_2 too
     marker = next((n for n in ckpt.tensors if n.endswith(".weight_scale_2")), None)
     if marker:
         ev.append(f"tensor {marker}")
@@ -61,14 +97,12 @@ def plan(ckpt: Checkpoint) -> Plan:
         where = "hf_quant_config.json" if ckpt.hf_quant_config else "config.json"
         raise InputError(f"exclude_modules must be a list of fnmatch patterns, got {type(exclude).__name__}",
                          file=str(ckpt.root / where), hint="restore the file from the original release")
-    names = ("gate_proj", "up_proj", "down_proj")
     w4a4 = False
     for n in ckpt.tensors:
-        m = EXPERT_RE.match(n)
-        if m and m["proj"] in ("w1", "w2", "w3"):
-            names = ("w1", "w3", "w2")
-        w4a4 = w4a4 or n.endswith(".input_scale")
-    facts = config_facts(ckpt.config, scheme="w4a4" if w4a4 else "w4a16", quant="nvfp4", expert_names=names,
+        if n.endswith(".input_scale") and not w4a4:  # an FP4 module's, not an FP8 Linear's
+            w = ckpt.tensors.get(n[: -len("input_scale")] + "weight")
+            w4a4 = w is not None and w.dtype == "U8"
+    facts = config_facts(ckpt.config, scheme="w4a4" if w4a4 else "w4a16", quant="nvfp4", expert_names=expert_names(ckpt),
                          ignore=tuple(str(x) for x in exclude if isinstance(x, str)))
     return plan_split_layout(ckpt, NAME, ROLES, facts)
 

@@ -9,9 +9,8 @@ canonical unit in the same order, ``decode`` maps written tensors back to the ca
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -19,8 +18,9 @@ if TYPE_CHECKING:
 
 from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, ModelFacts, MoELayer, Passthrough, UnitSpec
 from mxfp4conv.io.safetensors_io import ITEMSIZE
+from mxfp4conv.precision import PrecisionModel
 
-__all__ = ["OutTensor", "SplitTarget", "Target", "WriterContext", "dense_module_names", "exact_ignore_list", "split_names"]
+__all__ = ["OutTensor", "SplitTarget", "Target", "WriterContext", "split_names"]
 
 Getter = Callable[[str], "torch.Tensor"]
 
@@ -44,6 +44,7 @@ class WriterContext:
     units: Sequence[UnitSpec]
     passthrough_dtypes: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
     options: dict[str, str]
+    precision: PrecisionModel = field(default_factory=PrecisionModel)
 
 
 class Target:
@@ -75,16 +76,21 @@ class Target:
         """The canonical part of ``unit`` a rank's output holds (all of it for single-rank targets)."""
         return unit
 
+    def passthrough_name(self, name: str, ctx: WriterContext) -> str:
+        """The output name of a tensor carried byte for byte (the source's, unless the target's config
+        syntax names that tensor differently)."""
+        return name
+
     def out_specs(self, spec: UnitSpec, ctx: WriterContext) -> list[OutTensor]:
         dtype, shape = ctx.passthrough_dtypes[spec.key]
-        return [OutTensor(spec.key, dtype, shape)]
+        return [OutTensor(self.passthrough_name(spec.key, ctx), dtype, shape)]
 
     def encode(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> list[torch.Tensor]:
         assert isinstance(unit, Passthrough)
         return [unit.tensor]
 
     def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
-        return Passthrough(spec.key, get(spec.key))
+        return Passthrough(spec.key, get(self.passthrough_name(spec.key, ctx)))
 
     def config(self, src_config: dict[str, object], ctx: WriterContext) -> dict[str, object]:
         raise NotImplementedError
@@ -92,7 +98,7 @@ class Target:
 
 def split_names(ctx: WriterContext) -> tuple[str, str, str]:
     """Per-expert (gate, up, down) names the architecture's vLLM loader maps (FORMATS.md §2.2)."""
-    if ctx.facts.model_type in ("mixtral", "minimax_m2", "minimax"):
+    if ctx.facts.model_type in ("mixtral", "minimax_m2", "minimax", "deepseek_v4"):
         return ("w1", "w3", "w2")
     return ("gate_proj", "up_proj", "down_proj")
 
@@ -161,34 +167,17 @@ def dense_decode(spec: UnitSpec, get: Getter, packed: str, scale: str) -> DenseF
     return DenseFP4(spec.key, FP4Weight("mxfp4", get(f"{spec.key}.{packed}"), get(f"{spec.key}.{scale}")), bias)
 
 
-def dense_module_names(ctx: WriterContext) -> list[str]:
-    """Modules left unquantized that look like Linear layers (2-D ``.weight`` passthrough tensors)."""
-    fp4 = {u.key for u in ctx.units if u.kind != "passthrough"}
-    out = []
-    for name, (_, shape) in ctx.passthrough_dtypes.items():
-        if name.endswith(".weight") and len(shape) == 2:
-            module = name[: -len(".weight")]
-            if module not in fp4 and "embed" not in module:
-                out.append(module)
-    return sorted(set(out))
-
-
-def exact_ignore_list(ctx: WriterContext) -> list[str]:
-    """Exact names of every unquantized Linear-like module (portable across ct / Quark versions)."""
-    names = dense_module_names(ctx)
-    return names if "lm_head" in names else ([*names, "lm_head"] if _has_lm_head(ctx) else names)
-
-
-def _has_lm_head(ctx: WriterContext) -> bool:
-    return any(re.fullmatch(r"lm_head\.weight", n) for n in ctx.passthrough_dtypes)
+# Split MXFP4 layouts whose per-Linear tensors are the output's bytes: (packed, scale) suffixes.
+_SPLIT_MXFP4 = {"ct-mxfp4": ("weight_packed", "weight_scale"), "quark-mxfp4": ("weight", "weight_scale")}
 
 
 def split_direct_sources(spec: UnitSpec, ctx: WriterContext) -> list[str] | None:
-    """Output -> source names when a split ct-mxfp4 unit is only renamed (per-expert or dense)."""
-    if ctx.layout != "ct-mxfp4" or spec.extra.get("fused"):
+    """Output -> source names when a split MXFP4 unit is only renamed (per-expert or dense)."""
+    if ctx.layout not in _SPLIT_MXFP4 or spec.extra.get("fused"):
         return None
+    packed, scale = _SPLIT_MXFP4[ctx.layout]
     if spec.kind == "dense":
-        return [f"{spec.key}.weight_packed", f"{spec.key}.weight_scale"] + ([f"{spec.key}.bias"] if spec.has_bias else [])
+        return [f"{spec.key}.{packed}", f"{spec.key}.{scale}"] + ([f"{spec.key}.bias"] if spec.has_bias else [])
     if spec.kind != "moe":
         return None
     src = (spec.extra["gate"], spec.extra["up"], spec.extra["down"])
@@ -196,7 +185,7 @@ def split_direct_sources(spec: UnitSpec, ctx: WriterContext) -> list[str] | None
     for e in range(spec.dims[0]):
         for proj in src:
             base = f"{spec.key}.{e}.{proj}"
-            out += [f"{base}.weight_packed", f"{base}.weight_scale"] + ([f"{base}.bias"] if spec.has_bias else [])
+            out += [f"{base}.{packed}", f"{base}.{scale}"] + ([f"{base}.bias"] if spec.has_bias else [])
     return out
 
 

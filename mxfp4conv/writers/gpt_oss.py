@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 from mxfp4conv.canonical import Canonical, FP4Weight, MoELayer, UnitSpec
 from mxfp4conv.layouts.gpt_oss import deinterleave_rows, interleave_rows
 from mxfp4conv.writers.base import Getter, OutTensor, Target, WriterContext
+from mxfp4conv.writers.layers import precision_refusal
 
 MODULES_TO_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 
@@ -34,7 +35,7 @@ class GptOssTarget(Target):
         dense = [u.key for u in ctx.units if u.kind == "dense"]
         if dense:
             return f"the gpt-oss layout has no FP4 dense layers, but {dense[0]} is FP4; use --to quark"
-        return None
+        return precision_refusal(ctx, "gpt-oss", fp8_block=False, fp8=False)
 
     def direct_sources(self, spec: UnitSpec, ctx: WriterContext) -> list[str] | None:
         if spec.kind == "moe" and ctx.layout == "gpt-oss":

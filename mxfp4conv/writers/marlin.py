@@ -85,7 +85,14 @@ def _bias_names(ctx: WriterContext) -> tuple[str, str]:
 class MarlinTarget(Target):
     NAME = "marlin"
 
+    def passthrough_name(self, name: str, ctx: WriterContext) -> str:
+        """Non-FP4 tensors keep the names of the runtime-native config each rank carries."""
+        return name if _gptoss(ctx) else ct_writer.CtTarget().passthrough_name(name, ctx)
+
     def refuse(self, ctx: WriterContext) -> str | None:
+        native = (gpt_oss_writer.GptOssTarget() if _gptoss(ctx) else ct_writer.CtTarget()).refuse(ctx)
+        if native is not None and not _gptoss(ctx):
+            return native  # the rank config describes non-FP4 layers in the compressed-tensors syntax
         tp, _, engine, keep = _opts(ctx)
         if keep and ctx.facts.source_quant != "nvfp4":
             return "--keep-nvfp4 needs an NVFP4 source (this one is MXFP4)"

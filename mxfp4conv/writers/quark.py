@@ -14,15 +14,23 @@ if TYPE_CHECKING:
 
 from mxfp4conv.canonical import Canonical, FP4Weight, MoELayer, UnitSpec
 from mxfp4conv.layouts.gpt_oss import deinterleave_rows, interleave_rows
-from mxfp4conv.writers.base import (
-    Getter,
-    OutTensor,
-    SplitTarget,
-    WriterContext,
-    exact_ignore_list,
-)
+from mxfp4conv.writers.base import Getter, OutTensor, SplitTarget, WriterContext
+from mxfp4conv.writers.layers import precision_refusal, unquantized_entries
 
 QUARK_VERSION = "0.10"
+# vLLM's Quark loader takes the KV-cache scheme from the layer_quant_config entries these patterns match
+KV_CACHE_GROUP = ["*k_proj", "*v_proj"]
+
+
+def _fp8_spec(dynamic: bool) -> dict[str, Any]:
+    return {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "ch_axis": None, "group_size": None, "is_dynamic": dynamic,
+            "symmetric": True, "round_method": "half_even", "scale_type": "float", "scale_format": None,
+            "observer_cls": "PerTensorMinMaxObserver", "mx_element_dtype": None}
+
+
+def _layer(weight: dict[str, Any] | None, acts: dict[str, Any] | None, outputs: dict[str, Any] | None = None
+           ) -> dict[str, Any]:
+    return {"weight": weight, "input_tensors": acts, "output_tensors": outputs, "bias": None, "target_device": None}
 
 
 def quantization_config(ctx: WriterContext) -> dict[str, Any]:
@@ -34,24 +42,57 @@ def quantization_config(ctx: WriterContext) -> dict[str, Any]:
     # would then QDQ every activation); the "quark_activations" option ("mxfp4" | "none") overrides.
     if ctx.options.get("quark_activations", "mxfp4" if ctx.facts.scheme == "w4a4" else "none") == "mxfp4":
         acts = {**weight, "is_dynamic": True}
+    layers: dict[str, Any] = {}
+    for lin in ctx.precision.fp8.values():  # per-tensor only: precision_refusal turned blocks away
+        layers[_quark_key(lin.module, ctx)] = _layer(_fp8_spec(False), _fp8_spec(False) if lin.input_scale else None)
+    kv_group: list[str] = []
+    if ctx.precision.kv_cache == "fp8":
+        kv_group = KV_CACHE_GROUP
+        for pat in KV_CACHE_GROUP:  # k/v projections not excluded are FP4 (precision_refusal checked)
+            layers[pat] = _layer(weight, acts, _fp8_spec(False))
     return {
         "quant_method": "quark",
         "version": QUARK_VERSION,
-        "global_quant_config": {"weight": weight, "input_tensors": acts, "output_tensors": None, "bias": None,
-                                "target_device": None},
-        "layer_quant_config": {},
+        "global_quant_config": _layer(weight, acts),
+        "layer_quant_config": layers,
         "layer_type_quant_config": {},
-        "exclude": exact_ignore_list(ctx),
-        "export": {"weight_format": "real_quantized", "pack_method": "reorder", "kv_cache_group": [],
+        "exclude": unquantized_entries(ctx),
+        "export": {"weight_format": "real_quantized", "pack_method": "reorder", "kv_cache_group": kv_group,
                    "min_kv_scale": 0.0, "weight_merge_groups": None},
         "algo_config": None,
         "quant_mode": "eager_mode",
     }
 
 
+def _quark_key(module: str, ctx: WriterContext) -> str:
+    """A layer_quant_config key for one module: vLLM matches a key without ``*`` as a substring of the layer
+    name and one with ``*`` by fnmatch; MTP layers (past num_hidden_layers) also answer to ``.mtp_block.``."""
+    from mxfp4conv.precision import runtime_pattern
+
+    if runtime_pattern(module, ctx.facts.num_layers) == module:
+        return module
+    head, _, rest = module.partition(".layers.") if ".layers." in module else ("", "", module)
+    idx, _, tail = rest.partition(".")
+    return f"{head}.layers.{idx}.*{tail}" if head else f"layers.{idx}.*{tail}"
+
+
+def _kv_refusal(ctx: WriterContext) -> str | None:
+    """The KV-cache entries (``*k_proj`` / ``*v_proj``) carry the FP4 weight scheme: an FP8 or unexcluded
+    BF16 k/v projection would be mis-declared."""
+    if ctx.precision.kv_cache != "fp8":
+        return None
+    for lin in ctx.precision.fp8.values():
+        if lin.module.endswith(("k_proj", "v_proj")):
+            return f"{lin.module}: an FP8 k/v projection beside an FP8 KV cache has no Quark layer_quant_config"
+    return None
+
+
 class QuarkTarget(SplitTarget):
     NAME = "quark"
     PACKED = "weight"
+
+    def refuse(self, ctx: WriterContext) -> str | None:
+        return precision_refusal(ctx, "Quark", fp8_block=False) or _kv_refusal(ctx)
 
     def _fused(self, ctx: WriterContext) -> bool:
         return ctx.facts.model_type == "gpt_oss"

@@ -1,0 +1,250 @@
+"""Every layer's precision: what the tensors say, what the source config says, and where they disagree.
+
+A checkpoint mixes precisions: FP4 experts (the units the layouts plan), FP8 Linears carried byte for
+byte (per-tensor: ``weight`` F8_E4M3 + scalar ``weight_scale`` [+ scalar ``input_scale``]; 128x128
+blocks: a 2-D scale spelled ``weight_scale_inv`` (DeepSeek), ``weight_scale`` (compressed-tensors
+FP8_BLOCK) or ``scale`` F8_E8M0 (DeepSeek-V4)), unquantized Linears, and sometimes an FP8 KV cache.
+Writers must describe every one of them in the target's own syntax (docs/FORMATS.md §7), so the
+model is built here once, from headers alone, and cross-checked against the source's own config.
+
+Patterns: every source syntax is normalised to the two forms compressed-tensors and Quark match
+(vLLM ``is_equal_or_regex_match``): an exact module name, or ``re:<regex>`` applied with
+``re.match``. fnmatch wildcards (ModelOpt ``exclude_modules``) become ``re:`` patterns so they keep
+matching names the runtime renames (DeepSeek's MTP layer is ``model.layers.61.mtp_block.*`` in vLLM).
+
+Pure: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "EMBEDDINGS",
+    "Declared",
+    "Fp8Linear",
+    "Precision",
+    "PrecisionModel",
+    "build_precision",
+    "fnmatch_to_re",
+    "matches",
+    "runtime_pattern",
+]
+
+Precision = Literal["mxfp4", "nvfp4", "fp8-tensor", "fp8-block", "bf16"]
+FP8_BLOCK = (128, 128)
+# Embedding tables hold 2-D ``.weight`` tensors but are not Linear layers (only the last name part counts:
+# ``vision_model.patch_embedding.linear`` IS a Linear).
+EMBEDDINGS = frozenset({"embed_tokens", "embed", "wte", "wpe", "tok_embeddings", "word_embeddings",
+                        "embeddings", "position_embeddings", "token_embedding", "position_embedding"})
+_FP8_SCALES = ("weight_scale_inv", "weight_scale", "scale")
+
+
+@dataclass(frozen=True)
+class Fp8Linear:
+    """An FP8 Linear carried byte for byte: its weight, its scale tensor and whether it has an input scale."""
+
+    module: str
+    kind: Literal["fp8-tensor", "fp8-block"]
+    scale: str  # suffix of the weight's scale tensor: "weight_scale", "weight_scale_inv" or "scale"
+    scale_dtype: str  # safetensors dtype of that scale: "F32", "BF16" or "F8_E8M0"
+    input_scale: bool = False  # a static per-tensor activation scale (``input_scale``) is present
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What a source config says about its layers, normalised.
+
+    ``unquantized``: patterns (exact names, fnmatch wildcards or ``re:``) of modules left unquantized.
+    ``listed``: module pattern -> precision, for configs that name modules per scheme (ModelOpt
+    ``quantized_layers``, compressed-tensors targets by name, Quark ``layer_quant_config``).
+    ``exhaustive``: a module no entry lists is unquantized (ModelOpt ``MIXED_PRECISION``); otherwise it
+    falls under the config's main FP4 scheme.
+    ``kv_cache``: "fp8" when the config quantizes the KV cache.
+    """
+
+    unquantized: tuple[str, ...] = ()
+    listed: Mapping[str, Precision] = field(default_factory=dict)
+    exhaustive: bool = False
+    kv_cache: str | None = None
+    source: str = "config.json"  # the file the declaration came from (for problems)
+
+
+@dataclass(frozen=True)
+class PrecisionModel:
+    """The precision of every Linear-like module that is not an FP4 unit, and the KV cache."""
+
+    fp8: Mapping[str, Fp8Linear] = field(default_factory=dict)
+    bf16: tuple[str, ...] = ()  # unquantized Linear-like modules (2-D ``.weight``), sorted
+    kv_cache: str | None = None
+    unquantized_patterns: tuple[str, ...] = ()  # the source's own exclusions, normalised, in order
+    foreign_fp4: tuple[str, ...] = ()  # FP4 modules in a naming the layout does not convert
+    inferred: bool = False  # the layout was inferred from tensors: the source has no quantization config
+
+    def counts(self, fp4_experts: int, fp4_dense: int) -> dict[str, int]:
+        kinds = [f.kind for f in self.fp8.values()]
+        return {"fp4_experts": fp4_experts, "fp4_dense": fp4_dense, "fp8_tensor": kinds.count("fp8-tensor"),
+                "fp8_block": kinds.count("fp8-block"), "bf16": len(self.bf16)}
+
+
+def fnmatch_to_re(pattern: str, *, children: bool = False) -> str:
+    """An fnmatch wildcard (``*``, ``?``) as an anchored ``re:`` pattern; ``re:`` patterns pass through, and
+    plain names too unless ``children`` (the pattern names a module and everything under it, as GPT-OSS's
+    ``modules_to_not_convert`` does)."""
+    if pattern.startswith("re:") or not (children or any(c in pattern for c in "*?")):
+        return pattern
+    out = [".*" if ch == "*" else "." if ch == "?" else re.escape(ch) for ch in pattern]
+    return "re:" + "".join(out) + (r"(\..*)?$" if children else "$")
+
+
+def matches(pattern: str, name: str) -> bool:
+    """vLLM's rule for compressed-tensors ``ignore`` / targets and Quark ``exclude``: exact, or ``re:`` + re.match."""
+    if pattern.startswith("re:"):
+        try:
+            return re.match(pattern[3:], name) is not None
+        except re.error:
+            return False
+    return pattern == name
+
+
+_LAYER = re.compile(r"^(?P<head>(?:.*\.)?layers\.)(?P<idx>\d+)\.(?P<rest>.+)$")
+
+
+def runtime_pattern(module: str, num_layers: int) -> str:
+    """How an output config names ``module`` so the runtime's name still matches it.
+
+    Layers past ``num_hidden_layers`` are multi-token-prediction layers, whose decoder block vLLM loads as
+    ``layers.N.mtp_block.*`` (deepseek_mtp.py, glm4_moe_mtp.py): they get a pattern that accepts both names.
+    """
+    m = _LAYER.match(module)
+    if not m or not num_layers or int(m["idx"]) < num_layers:
+        return module
+    return "re:" + re.escape(f"{m['head']}{m['idx']}.") + r"(mtp_block\.)?" + re.escape(m["rest"]) + "$"
+
+
+def _scale_kind(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> Literal["fp8-tensor", "fp8-block"] | None:
+    if len(scale_shape) == 0 or (len(scale_shape) == 1 and scale_shape[0] == 1):
+        return "fp8-tensor"
+    n, k = weight_shape
+    bn, bk = FP8_BLOCK
+    if list(scale_shape) == [-(-n // bn), -(-k // bk)]:
+        return "fp8-block"
+    return None
+
+
+def build_precision(
+    linears: Mapping[str, tuple[str, tuple[int, ...]]],
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+    fp4_modules: Iterable[str],
+    declared: Declared,
+    *,
+    inferred: bool = False,
+) -> tuple[PrecisionModel, list[tuple[str, str]]]:
+    """The precision model of the non-FP4 modules, and the problems found as (module, message).
+
+    ``linears``: module -> (dtype, shape) of every passthrough 2-D ``<module>.weight``;
+    ``tensors``: every passthrough tensor name -> (dtype, shape) (for the scale partners);
+    ``fp4_modules``: modules the layout converts (dense FP4 modules and every expert projection).
+    """
+    problems: list[tuple[str, str]] = []
+    fp8: dict[str, Fp8Linear] = {}
+    bf16: list[str] = []
+    foreign: list[str] = []
+    for module, (dtype, shape) in linears.items():
+        if module.rsplit(".", 1)[-1] in EMBEDDINGS:
+            continue
+        if dtype == "F8_E4M3":
+            got = _fp8_linear(module, shape, tensors, problems)
+            if got is not None:
+                fp8[module] = got
+            continue
+        if dtype in ("U8", "I8"):
+            scale = tensors.get(f"{module}.scale") or tensors.get(f"{module}.weight_scale")
+            if scale is not None and scale[0] in ("F8_E8M0", "U8", "F8_E4M3") and len(scale[1]) == 2:
+                foreign.append(module)  # packed FP4 the layout does not read: never carry it as "unquantized"
+                continue
+        bf16.append(module)
+    kv = declared.kv_cache
+    model = PrecisionModel(fp8=dict(sorted(fp8.items())), bf16=tuple(sorted(bf16)), kv_cache=kv,
+                           unquantized_patterns=tuple(fnmatch_to_re(p) for p in declared.unquantized),
+                           foreign_fp4=tuple(sorted(foreign)), inferred=inferred)
+    problems += _cross_check(model, list(fp4_modules), declared)
+    return model, problems
+
+
+def _fp8_linear(module: str, shape: tuple[int, ...], tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+                problems: list[tuple[str, str]]) -> Fp8Linear | None:
+    for suffix in _FP8_SCALES:
+        got = tensors.get(f"{module}.{suffix}")
+        if got is None:
+            continue
+        dtype, sshape = got
+        kind = _scale_kind(shape, sshape)
+        if kind is None:
+            problems.append((f"{module}.{suffix}", f"FP8 scale shape {list(sshape)} is neither per-tensor nor "
+                             f"[{FP8_BLOCK[0]}x{FP8_BLOCK[1]}] blocks of weight {list(shape)}"))
+            return None
+        if dtype not in ("F32", "BF16", "F16", "F8_E8M0"):
+            problems.append((f"{module}.{suffix}", f"FP8 scale dtype {dtype} is not a float scale"))
+            return None
+        inp = tensors.get(f"{module}.input_scale")
+        return Fp8Linear(module, kind, suffix, dtype, inp is not None and _scale_kind(shape, inp[1]) == "fp8-tensor")
+    problems.append((f"{module}.weight", "FP8 weight without a scale tensor (weight_scale, weight_scale_inv or scale)"))
+    return None
+
+
+class _Matcher:
+    """Exact names by hash lookup, wildcard and ``re:`` patterns compiled once (checkpoints list thousands)."""
+
+    def __init__(self, patterns: Iterable[str]) -> None:
+        self.exact: set[str] = set()
+        self.rx: list[re.Pattern[str]] = []
+        for p in patterns:
+            q = fnmatch_to_re(p)
+            if q.startswith("re:"):
+                try:
+                    self.rx.append(re.compile(q[3:]))
+                except re.error:
+                    continue  # reported by the layout's own config check
+            else:
+                self.exact.add(q)
+
+    def __call__(self, name: str) -> bool:
+        return name in self.exact or any(r.match(name) for r in self.rx)
+
+
+def _cross_check(model: PrecisionModel, fp4_modules: list[str], declared: Declared) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    where = declared.source
+    unquantized = _Matcher(declared.unquantized)
+    exact = {pat: prec for pat, prec in declared.listed.items() if fnmatch_to_re(pat) == pat}
+    listed = [(_Matcher([pat]), prec) for pat, prec in declared.listed.items() if pat not in exact]
+
+    def said(module: str) -> Precision | None:
+        """What the config says ``module`` is: None when it only says "quantized with the main scheme"."""
+        if unquantized(module):
+            return "bf16"
+        if module in exact:
+            return exact[module]
+        got = next((prec for m, prec in listed if m(module)), None)
+        return got if got is not None or not declared.exhaustive else "bf16"
+
+    for module, lin in model.fp8.items():
+        got = said(module)
+        if got == "bf16":
+            out.append((module, f"tensors are {lin.kind} but {where} declares the module unquantized"))
+        elif got is not None and got != lin.kind:
+            out.append((module, f"tensors are {lin.kind} but {where} declares {got}"))
+    for module in model.bf16:
+        got = said(module)
+        if got not in (None, "bf16"):
+            out.append((module, f"tensors are unquantized but {where} declares {got}"))
+    if declared.listed:
+        for module in fp4_modules:
+            got = said(module)
+            if got is not None and got not in ("mxfp4", "nvfp4"):
+                out.append((module, f"tensors are FP4 but {where} declares {got}"))
+    return out

@@ -1,0 +1,70 @@
+"""How the writers describe the layers they do not convert: FP8 Linears, unquantized Linears, the KV cache.
+
+The plan's precision model (``mxfp4conv.precision``) says what each layer is; this module turns it into
+what a runtime config needs (docs/FORMATS.md §7): the patterns of unquantized modules (the source's own
+wildcards kept as ``re:`` patterns, then the exact names they do not cover), the FP8 modules grouped by
+scheme, and the reason a target cannot express a source at all (checked before any work).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mxfp4conv.precision import Fp8Linear, matches, runtime_pattern
+from mxfp4conv.writers.base import WriterContext, split_names
+
+__all__ = ["fp8_groups", "precision_refusal", "unquantized_entries"]
+
+
+def _fp8_label(lin: Fp8Linear) -> str:
+    return f"{lin.kind} ({lin.scale} {lin.scale_dtype})"
+
+
+def precision_refusal(ctx: WriterContext, target: str, *, fp8_block: bool, e8m0_block: bool = False,
+                      fp8: bool = True) -> str | None:
+    """Why ``target`` cannot describe every layer of the source, naming the first layer, or None.
+
+    ``fp8``: the target has a per-tensor FP8 scheme; ``fp8_block``: a 128x128 block FP8 scheme;
+    ``e8m0_block``: block scales stored as E8M0 (DeepSeek-V4) load as they are.
+    """
+    p = ctx.precision
+    if p.foreign_fp4:
+        return (f"{p.foreign_fp4[0]}: FP4 weights in a naming the {ctx.layout} layout does not convert "
+                "(they cannot be carried as unquantized)")
+    for lin in p.fp8.values():
+        if not fp8:
+            return f"{lin.module}: {_fp8_label(lin)} has no {target} scheme (the layout holds FP4 and BF16 only)"
+        if lin.kind == "fp8-block" and not fp8_block:
+            return f"{lin.module}: {_fp8_label(lin)} 128x128 block FP8 has no {target} scheme"
+        if lin.scale_dtype == "F8_E8M0" and not e8m0_block:
+            return (f"{lin.module}: FP8 with E8M0 block scales ({lin.scale}) has no {target} scheme; "
+                    "serve this checkpoint in its own layout")
+    return None
+
+
+def unquantized_entries(ctx: WriterContext) -> list[str]:
+    """Exact names and ``re:`` patterns that leave exactly the unquantized Linears unquantized.
+
+    The source's own exclusions come first, as patterns (a wildcard stays a wildcard, so the runtime's
+    renamed MTP modules still match); then every unquantized Linear they do not cover, by exact name (or by
+    a pattern that also accepts the runtime's MTP name). A source pattern that would also cover an FP4 or
+    FP8 module is dropped for its exact names: it would mis-declare that module.
+    """
+    p = ctx.precision
+    n = ctx.facts.num_layers
+    quantized = [u.key for u in ctx.units if u.kind == "dense"] + list(p.fp8)
+    for u in ctx.units:  # the runtime checks expert 0's projections of a MoE layer (vLLM get_moe_method)
+        if u.kind == "moe":
+            quantized += [f"{u.key}.0.{proj}" for proj in {*split_names(ctx), *ctx.facts.expert_names}]
+    keep = [pat for pat in p.unquantized_patterns if not any(matches(pat, m) for m in quantized)]
+    covered: Callable[[str], bool] = lambda m: any(matches(pat, m) for pat in keep)  # noqa: E731
+    names = [m for m in p.bf16 if not covered(m)]
+    return keep + [runtime_pattern(m, n) for m in names]
+
+
+def fp8_groups(ctx: WriterContext) -> dict[tuple[str, bool], list[str]]:
+    """FP8 modules by (kind, has a static input scale), each as the name or pattern the runtime matches."""
+    out: dict[tuple[str, bool], list[str]] = {}
+    for lin in ctx.precision.fp8.values():
+        out.setdefault((lin.kind, lin.input_scale), []).append(runtime_pattern(lin.module, ctx.facts.num_layers))
+    return out
