@@ -1,0 +1,205 @@
+"""Real published FP4 MoE checkpoint families (tests/replicas): ``inspect`` names them, and every
+(family, target) pair either converts into an output a runtime serves as the source meant it
+(each module's precision resolved from the output config by vLLM's rules, the KV cache carried,
+non-FP4 bytes unchanged) or is refused with one line and no output."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from replicas import BUILDERS, PURE_NVFP4, Replica
+from replicas.common import ROUTED_EXPERT_RE
+from replicas.resolver import kv_cache, resolve
+
+from mxfp4conv.cli import cli
+
+TARGETS = ("ct", "quark", "marlin")
+FAMILIES = list(BUILDERS)
+FP4 = ("mxfp4", "nvfp4")
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    res = CliRunner().invoke(cli, list(args))
+    return res.exit_code, res.stdout, res.stderr
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Replica]:
+    """Each family built once per module, on first use."""
+    root = tmp_path_factory.mktemp("replicas")
+    built: dict[str, Replica] = {}
+
+    def get(family: str) -> Replica:
+        if family not in built:
+            built[family] = BUILDERS[family](root / family)
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def converted(replica: Callable[[str], Replica], tmp_path_factory: pytest.TempPathFactory,
+              ) -> Callable[[str, str], tuple[Replica, Path, int, str]]:
+    """(replica, DST, exit code, stderr) of ``convert --to target``, each pair run once."""
+    root = tmp_path_factory.mktemp("converted")
+    done: dict[tuple[str, str], tuple[Replica, Path, int, str]] = {}
+
+    def get(family: str, target: str) -> tuple[Replica, Path, int, str]:
+        if (family, target) not in done:
+            r = replica(family)
+            dst = root / f"{family}--{target}"
+            code, _, err = run("convert", str(r.path), str(dst), "--to", target, "--device", "cpu")
+            done[family, target] = (r, dst, code, err)
+        return done[family, target]
+
+    return get
+
+
+def raw_tensors(folder: Path) -> dict[str, tuple[str, list[int], bytes]]:
+    """name -> (dtype, shape, bytes) of every tensor in a folder's safetensors files, from the headers."""
+    out: dict[str, tuple[str, list[int], bytes]] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        blob = f.read_bytes()
+        (n,) = struct.unpack("<Q", blob[:8])
+        header = json.loads(blob[8:8 + n])
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            b, e = meta["data_offsets"]
+            out[name] = (meta["dtype"], meta["shape"], blob[8 + n + b:8 + n + e])
+    return out
+
+
+def output_dir(dst: Path, target: str) -> Path:
+    return dst / "rank-0" if target == "marlin" else dst
+
+
+def accepted(expect: str, err: str) -> bool:
+    return any(alt.strip().lower() in err.lower() for alt in expect.split("|"))
+
+
+# inspect -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inspect_names_layout_scheme_and_precisions(replica: Callable[[str], Replica], family: str) -> None:
+    r = replica(family)
+    code, out, err = run("inspect", str(r.path), "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["problems"] == []
+    assert (doc["layout"], doc["scheme"]) == (r.layout, r.scheme)
+    assert doc.get("precision") == r.precision_counts()
+    assert bool(doc.get("inferred_layout")) is r.inferred_layout
+    offered = {t for t in doc["targets"] if t in TARGETS}
+    assert offered == {t for t, why in r.expected_targets.items() if why is None}
+
+
+def test_precision_counts_cover_every_linear_module(replica: Callable[[str], Replica]) -> None:
+    """The oracle itself: routed-expert entries are one per projection, and V4's MTP experts count
+    as FP4 experts while DeepSeek-R1's BF16 MTP experts count as BF16."""
+    r1 = replica("modelopt-nvfp4-deepseek-r1")
+    counts = r1.precision_counts()
+    mtp_experts = [m for m in r1.modules if m.startswith("model.layers.3.") and ROUTED_EXPERT_RE.search(m)]
+    assert len(mtp_experts) == 12 and all(r1.modules[m] == "bf16" for m in mtp_experts)
+    assert counts["fp4_experts"] == 2 * 4 * 3 and counts["fp8_tensor"] == counts["fp8_block"] == 0
+    v4 = replica("deepseek-v4-native-mxfp4")
+    assert v4.precision_counts()["fp4_experts"] == 3 * 4 * 3
+
+
+# convert -----------------------------------------------------------------------------------------
+PAIRS = [(f, t) for f in FAMILIES for t in TARGETS]
+
+
+@pytest.mark.parametrize(("family", "target"), PAIRS)
+def test_convert_serves_as_the_source_meant(converted: Callable[[str, str], tuple[Replica, Path, int, str]],
+                                           family: str, target: str) -> None:
+    r, dst, code, err = converted(family, target)
+    expect = r.expected_targets[target]
+    if expect is not None:
+        assert code == 1, f"expected a refusal containing {expect!r}, got exit {code}: {err}"
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and accepted(expect, lines[0]), err
+        assert not dst.exists()
+        return
+    assert code == 0, err
+    vcode, vout, verr = run("verify", str(r.path), str(dst))
+    assert vcode == 0, verr or vout
+    out = output_dir(dst, target)
+    cfg = json.loads((out / "config.json").read_text())
+    if target == "marlin":
+        assert "mxfp4conv_marlin" in cfg["quantization_config"]
+    _check_resolution(r, cfg)
+    _check_kv_cache(r, cfg)
+    _check_bytes(r, target, out)
+
+
+def _check_resolution(r: Replica, cfg: dict[str, Any]) -> None:
+    """(b) every source module, under each of its runtime names, gets the precision it must have."""
+    wrong = []
+    for module, precision in r.modules.items():
+        want = "mxfp4" if precision in FP4 else precision
+        for name in r.runtime_names(module):
+            try:
+                got = resolve(cfg, name, fused=r.fused, prefix_map=r.config_prefix_map, expert_projs=r.expert_projs)
+            except AssertionError as exc:
+                got = f"vLLM refuses: {exc}"
+            if got != want:
+                wrong.append(f"{module} as {name}: {got}, expected {want}")
+    assert not wrong, f"{len(wrong)} modules resolve wrongly, e.g.:\n" + "\n".join(wrong[:12])
+
+
+def _check_kv_cache(r: Replica, cfg: dict[str, Any]) -> None:
+    """(c) FP8 KV-cache quantization is carried, and not invented."""
+    if r.kv_cache is None:
+        assert kv_cache(cfg, "model.layers.0.self_attn.attn") is None
+        return
+    for layer in r.attention_layers:
+        got = kv_cache(cfg, layer, fused=r.fused, prefix_map=r.config_prefix_map)
+        assert got == r.kv_cache, f"{layer}: KV cache {got}, source {r.kv_cache}"
+
+
+def _check_bytes(r: Replica, target: str, out: Path) -> None:
+    """(d) non-FP4 tensors byte-identical (under the target's documented renames); MXFP4 sources'
+    FP4 codes and scales bit-exact."""
+    src, dst = raw_tensors(r.path), raw_tensors(out)
+    fp4 = set(r.fp4_modules())
+    renames = r.renames.get(target, {})
+    problems = []
+    for name, (dtype, shape, data) in src.items():
+        module, _, suffix = name.rpartition(".")
+        if module in fp4 and suffix != "bias":
+            continue
+        out_name = f"{module}.{renames[suffix]}" if suffix in renames and r.modules.get(module) == "fp8-block" else name
+        got = dst.get(out_name)
+        if got is None:
+            problems.append(f"{name}: missing from the output (as {out_name})")
+        elif got != (dtype, shape, data):
+            problems.append(f"{name} -> {out_name}: {got[0]}{got[1]} differs from {dtype}{shape}")
+    if r.source_quant() == "mxfp4" and target != "marlin":  # Marlin repacks; verify re-encodes those
+        packed_out = "weight_packed" if target == "ct" else "weight"
+        for module in fp4:
+            packed_src = "weight_packed" if f"{module}.weight_packed" in src else "weight"
+            for s_name, o_name in ((f"{module}.{packed_src}", f"{module}.{packed_out}"),
+                                   (f"{module}.weight_scale", f"{module}.weight_scale")):
+                got = dst.get(o_name)
+                if got is None or got[2] != src[s_name][2]:
+                    problems.append(f"{s_name} -> {o_name}: FP4 bytes not bit-exact")
+    assert not problems, f"{len(problems)} tensors changed, e.g.:\n" + "\n".join(problems[:12])
+
+
+# the families that converted before FP8 support keep converting -----------------------------------
+@pytest.mark.parametrize("family", PURE_NVFP4)
+@pytest.mark.parametrize("target", ["ct", "quark"])
+def test_pure_nvfp4_families_keep_converting(converted: Callable[[str, str], tuple[Replica, Path, int, str]],
+                                             family: str, target: str) -> None:
+    r, dst, code, err = converted(family, target)
+    assert code == 0, err
+    assert run("verify", str(r.path), str(dst))[0] == 0
+    cfg = json.loads((dst / "config.json").read_text())
+    _check_resolution(r, cfg)
+    _check_bytes(r, target, dst)
