@@ -1,0 +1,46 @@
+"""Tiny Marlin-ready outputs for the plugin tests, made by the CLI from examples/tiny.py checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+from tiny import build, quant_mxfp4
+
+from mxfp4conv.cli import cli
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def qwen3_fp4_attention(root: Path) -> Path:
+    """Qwen3-MoE, compressed-tensors MXFP4 experts *and* attention (q/k/v packed, o row-parallel)."""
+    src = build("ct-mxfp4", root, layers=2, experts=4, hidden=256, inter=128, shards=1)
+    shard = src / "model.safetensors"
+    t = load_file(str(shard))
+    for name in [n for n in t if n.endswith(".weight") and n.rsplit(".", 2)[-2] in ATTN]:
+        m = name.removesuffix(".weight")
+        t[f"{m}.weight_packed"], t[f"{m}.weight_scale"] = quant_mxfp4(t.pop(name).float())
+    save_file(t, str(shard), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"]["ignore"] = ["lm_head", "re:.*mlp.gate$"]
+    (src / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    return src
+
+
+def gpt_oss_padded(root: Path) -> Path:
+    """GPT-OSS with sizes vLLM's Marlin path pads: H 128 -> 256, I 192 -> 256 (TP 1) / 96 -> 128 (TP 2)."""
+    return build("gpt-oss", root, layers=2, experts=4, hidden=128, inter=192, shards=2)
+
+
+def qwen3_nvfp4(root: Path) -> Path:
+    """Qwen3-MoE, ModelOpt NVFP4 experts (kept as NVFP4 with --keep-nvfp4: global scales per expert)."""
+    return build("modelopt-nvfp4", root, layers=1, experts=4, hidden=256, inter=128, shards=1)
+
+
+def convert(src: Path, dst: Path, *extra: str) -> Path:
+    res = CliRunner().invoke(cli, ["convert", str(src), str(dst), "--to", "marlin", "--device", "cpu", *extra])
+    if res.exit_code != 0:
+        raise RuntimeError(f"convert {src.name} {' '.join(extra)}: {res.stderr}")
+    return dst
