@@ -120,10 +120,19 @@ def _render_inspect(doc: dict[str, Any]) -> None:
     for key in ("layout", "model_type", "architecture", "scheme", "num_layers", "num_moe_layers", "num_experts",
                 "hidden_size", "intermediate_size", "num_dense_fp4_layers", "num_passthrough_tensors", "tensors"):
         t.add_row(key, _safe(doc[key]))
+    prec = doc["precision"]
+    t.add_row("precision", f"FP4 experts {prec['fp4_experts']}, FP4 dense {prec['fp4_dense']}, FP8 per-tensor "
+              f"{prec['fp8_tensor']}, FP8 block {prec['fp8_block']}, BF16 {prec['bf16']} (Linear modules)")
+    t.add_row("kv cache", _safe(doc["kv_cache"] or "unquantized"))
     t.add_row("total size", f"{doc['total_bytes'] / 1e9:.3f} GB in {len(doc['files'])} file(s)")
     t.add_row("evidence", _safe("; ".join(doc["evidence"])))
     t.add_row("targets", ", ".join(doc["targets"]) or "-")
+    for name, why in doc.get("refused", {}).items():
+        t.add_row(f"not --to {name}", _safe(why))
     _err.print(t)
+    if doc["inferred_layout"]:
+        _err.print(f"[yellow]note:[/] no quantization config found: layout {_safe(doc['layout'])} was inferred "
+                   "from tensor names and dtypes", markup=True)
     for p in doc["problems"]:
         _err.print(f"[red]problem:[/] {_safe(p['file'])}: {_safe(p['tensor'])}: {_safe(p['message'])}", markup=True)
     if not doc["problems"]:

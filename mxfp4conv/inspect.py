@@ -14,7 +14,7 @@ from typing import Any
 from mxfp4conv.io.checkpoint import Checkpoint, open_checkpoint
 from mxfp4conv.layouts import Layout, Plan, Problem, detect_layout, is_config_evidence
 from mxfp4conv.precision import build_precision
-from mxfp4conv.writers import WriterContext, valid_targets
+from mxfp4conv.writers import WriterContext, refusals, valid_targets
 
 __all__ = ["SCHEMA_VERSION", "InspectReport", "analyze", "inspect_checkpoint", "writer_context"]
 
@@ -32,6 +32,7 @@ class InspectReport:
     files: list[str]
     targets: list[str]
     problems: list[Problem] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:
@@ -66,6 +67,7 @@ class InspectReport:
             "files": self.files,
             "problems": [p.to_dict() for p in self.problems],
             "targets": self.targets,
+            "refused": self.refused,
         }
 
 
@@ -149,4 +151,5 @@ def inspect_checkpoint(src: str | Path, revision: str | None = None) -> InspectR
     return InspectReport(
         source=str(src), layout=plan.layout, evidence=evidence, plan=plan, tensors=len(ckpt.tensors),
         total_bytes=ckpt.total_bytes, files=[ckpt.rel(f) for f in ckpt.shard_files],
-        targets=valid_targets(ctx) if not plan.problems else [], problems=plan.problems)
+        targets=valid_targets(ctx) if not plan.problems else [], problems=plan.problems,
+        refused=refusals(ctx) if not plan.problems else {})

@@ -220,7 +220,7 @@ def _cross_check(model: PrecisionModel, fp4_modules: list[str], declared: Declar
     out: list[tuple[str, str]] = []
     where = declared.source
     unquantized = _Matcher(declared.unquantized)
-    exact = {pat: prec for pat, prec in declared.listed.items() if fnmatch_to_re(pat) == pat}
+    exact = {pat: prec for pat, prec in declared.listed.items() if not fnmatch_to_re(pat).startswith("re:")}
     listed = [(_Matcher([pat]), prec) for pat, prec in declared.listed.items() if pat not in exact]
 
     def said(module: str) -> Precision | None:

@@ -8,7 +8,7 @@ from mxfp4conv.writers.ct import CtTarget
 from mxfp4conv.writers.gpt_oss import GptOssTarget
 from mxfp4conv.writers.quark import QuarkTarget
 
-__all__ = ["TARGETS", "OutTensor", "Target", "WriterContext", "get_target", "resolve_auto", "valid_targets"]
+__all__ = ["TARGETS", "OutTensor", "Target", "WriterContext", "get_target", "refusals", "resolve_auto", "valid_targets"]
 
 TARGETS: dict[str, type[Target]] = {
     CtTarget.NAME: CtTarget,
@@ -36,3 +36,8 @@ def get_target(name: str) -> Target:
 
 def valid_targets(ctx: WriterContext) -> list[str]:
     return [name for name, cls in TARGETS.items() if cls().refuse(ctx) is None]
+
+
+def refusals(ctx: WriterContext) -> dict[str, str]:
+    """Target -> why it cannot express this source (targets that can are absent)."""
+    return {name: why for name, cls in TARGETS.items() if (why := cls().refuse(ctx)) is not None}
