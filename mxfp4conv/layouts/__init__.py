@@ -8,8 +8,6 @@ quantization config, is reported as inferred.
 
 from __future__ import annotations
 
-from typing import cast
-
 from mxfp4conv.errors import InputError
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts import (
@@ -25,10 +23,9 @@ from mxfp4conv.layouts.base import Layout, Plan, Problem
 
 __all__ = ["LAYOUTS", "Layout", "Plan", "Problem", "detect_layout", "get_layout", "is_config_evidence"]
 
-LAYOUTS: dict[str, Layout] = {
-    mod.NAME: cast(Layout, mod)
-    for mod in (gpt_oss, modelopt_nvfp4, quark_nvfp4, ct_nvfp4, ct_mxfp4, quark_mxfp4, deepseek_v4)
-}
+# Detection tries every layout; the order is the order of `inspect`'s listing (specific before general).
+_ORDER: tuple[Layout, ...] = (gpt_oss, modelopt_nvfp4, quark_nvfp4, ct_nvfp4, ct_mxfp4, quark_mxfp4, deepseek_v4)
+LAYOUTS: dict[str, Layout] = {mod.NAME: mod for mod in _ORDER}
 
 
 def get_layout(name: str) -> Layout:

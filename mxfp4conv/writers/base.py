@@ -92,6 +92,12 @@ class Target:
     def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
         return Passthrough(spec.key, get(self.passthrough_name(spec.key, ctx)))
 
+    def verify_unit(self, want: Canonical, spec: UnitSpec, ctx: WriterContext, get: Getter
+                    ) -> list[dict[str, str]] | None:
+        """Differences between ``want`` (what SRC yields) and what DST holds, for targets whose bytes do not
+        decode uniquely; None (the default) proves the unit by ``decode`` and a byte comparison."""
+        return None
+
     def config(self, src_config: dict[str, object], ctx: WriterContext) -> dict[str, object]:
         raise NotImplementedError
 
