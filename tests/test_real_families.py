@@ -6,6 +6,7 @@ non-FP4 bytes unchanged) or is refused with one line and no output."""
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 from replicas import BUILDERS, PURE_NVFP4, Replica
 from replicas.common import ROUTED_EXPERT_RE
-from replicas.resolver import kv_cache, resolve
+from replicas.resolver import kv_cache, kv_cache_declared, resolve
 
 from mxfp4conv.cli import cli
 
@@ -99,6 +100,18 @@ def test_inspect_names_layout_scheme_and_precisions(replica: Callable[[str], Rep
     assert offered == {t for t, why in r.expected_targets.items() if why is None}
 
 
+def test_inspect_infers_the_layout_without_any_quantization_config(replica: Callable[[str], Replica],
+                                                                   tmp_path: Path) -> None:
+    """DeepSeek-R1-FP4 shards and config.json without hf_quant_config.json: the layout comes from
+    the tensors alone, and inspect says so."""
+    r = replica("modelopt-nvfp4-deepseek-r1")
+    src = tmp_path / "r1-no-quant-config"
+    shutil.copytree(r.path, src, ignore=shutil.ignore_patterns("hf_quant_config.json"))
+    _, out, err = run("inspect", str(src), "--json")
+    doc = json.loads(out)
+    assert doc["layout"] == "modelopt-nvfp4" and doc["inferred_layout"] is True, err
+
+
 def test_precision_counts_cover_every_linear_module(replica: Callable[[str], Replica]) -> None:
     """The oracle itself: routed-expert entries are one per projection, and V4's MTP experts count
     as FP4 experts while DeepSeek-R1's BF16 MTP experts count as BF16."""
@@ -154,13 +167,14 @@ def _check_resolution(r: Replica, cfg: dict[str, Any]) -> None:
 
 
 def _check_kv_cache(r: Replica, cfg: dict[str, Any]) -> None:
-    """(c) FP8 KV-cache quantization is carried, and not invented."""
-    if r.kv_cache is None:
-        assert kv_cache(cfg, "model.layers.0.self_attn.attn") is None
-        return
+    """(c) FP8 KV-cache quantization is declared when the source has it (and not invented), and
+    every attention layer the runtime builds as ``Attention`` gets it (DeepSeek's MLAAttention gets
+    no KV-cache method from a compressed-tensors or Quark config in vLLM 0.32)."""
+    assert kv_cache_declared(cfg) == r.kv_cache
     for layer in r.attention_layers:
-        got = kv_cache(cfg, layer, fused=r.fused, prefix_map=r.config_prefix_map)
-        assert got == r.kv_cache, f"{layer}: KV cache {got}, source {r.kv_cache}"
+        got = kv_cache(cfg, layer, fused=r.fused, prefix_map=r.config_prefix_map, mla=r.mla)
+        want = None if r.mla else r.kv_cache
+        assert got == want, f"{layer}: KV cache {got}, source {r.kv_cache}"
 
 
 def _check_bytes(r: Replica, target: str, out: Path) -> None:

@@ -60,7 +60,8 @@ class Replica:
     fused: dict[str, list[str]] = field(default_factory=dict)
     config_prefix_map: dict[str, str] = field(default_factory=dict)
     expert_projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-    attention_layers: list[str] = field(default_factory=list)  # runtime Attention prefixes (KV cache)
+    attention_layers: list[str] = field(default_factory=list)  # runtime attention prefixes (KV cache)
+    mla: bool = False  # those are MLAAttention layers (DeepSeek), not Attention
     renames: dict[str, dict[str, str]] = field(default_factory=dict)  # target -> {source suffix: output suffix}
 
     def precision_counts(self) -> dict[str, int]:

@@ -185,11 +185,17 @@ def qwen3_vl_moe(root: Path) -> Replica:
                    config_prefix_map={k: v for k, v in QWEN3_VL_PREFIXES.items() if k.endswith(".")})
 
 
+KV_FP8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True,
+          "group_size": None, "block_structure": None, "actorder": None, "observer": "minmax", "observer_kwargs": {},
+          "scale_dtype": None, "zp_dtype": None}
+
+
 def llama4(root: Path) -> Replica:
-    """Llama-4 (Llama4ForConditionalGeneration) NVFP4: ``language_model.model.layers.*``, layer 0
-    dense (``feed_forward.{gate,up,down}_proj``), layer 1 MoE (``feed_forward.router``,
-    ``shared_expert``, linearized experts); attention and router BF16 by regex; the vision tower
-    BF16, ignored by exact names (``vision_model.patch_embedding.linear`` is an nn.Linear)."""
+    """Llama-4 (Llama4ForConditionalGeneration) NVFP4 with an FP8 KV cache: ``language_model.model.layers.*``,
+    layer 0 dense (``feed_forward.{gate,up,down}_proj``), layer 1 MoE (``feed_forward.router``,
+    ``shared_expert``, linearized experts); attention and router BF16 by regex (``self_attn.{k,v}_scale``
+    F32); the vision tower BF16, ignored by exact names (``vision_model.patch_embedding.linear`` is an
+    nn.Linear)."""
     root.mkdir(parents=True)
     s = Sink(71)
 
@@ -205,6 +211,8 @@ def llama4(root: Path) -> Replica:
         s.norm(f"{p}.input_layernorm", H)
         s.norm(f"{p}.post_attention_layernorm", H)
         _attn(s, f"{p}.self_attn", s.bf16, norms=False)
+        for kv in ("k", "v"):  # llm-compressor's FP8 KV-cache scales
+            s.put(f"{p}.self_attn.{kv}_scale", torch.tensor([0.04 + 0.01 * n], dtype=torch.float32))
         if n == 0:
             _mlp3(s, f"{p}.feed_forward", DENSE_I, fp4)
             continue
@@ -245,11 +253,11 @@ def llama4(root: Path) -> Replica:
     cfg = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "text_config": text,
            "vision_config": vision, "tie_word_embeddings": False, "image_token_index": 200,
            "quantization_config": ct_config({"group_0": ct_group("nvfp4", ["Linear"], w4a4=True)}, ignore,
-                                            fmt="nvfp4-pack-quantized")}
+                                            fmt="nvfp4-pack-quantized", kv_cache_scheme=KV_FP8)}
     _finish(root, s, cfg, shards=3)
     return Replica(path=root, family="ct-nvfp4-llama4", layout="ct-nvfp4", scheme="w4a4", modules=dict(s.modules),
-                   runtime_names=_runtime({**QKV, **GATE_UP}, {}), kv_cache=None, expected_targets=ALL_CONVERT,
-                   fused=FUSED_QKV_GU)
+                   runtime_names=_runtime({**QKV, **GATE_UP}, {}), kv_cache="fp8", expected_targets=ALL_CONVERT,
+                   fused=FUSED_QKV_GU, attention_layers=[f"{lm}.layers.{n}.self_attn.attn" for n in range(2)])
 
 
 def glm45(root: Path) -> Replica:

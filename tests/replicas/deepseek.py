@@ -150,16 +150,17 @@ def _model(s: Sink, *, attn: str, dense_mlp: str, shared: str, fmt: dict[str, An
 
 
 def _replica(root: Path, s: Sink, family: str, layout: str, scheme: str, kv: bool,
-             targets: dict[str, str | None], *, inferred: bool = False) -> Replica:
+             targets: dict[str, str | None]) -> Replica:
     s.save(root, 3)
     write_side_files(root)
     return Replica(path=root, family=family, layout=layout, scheme=scheme, modules=dict(s.modules),
                    runtime_names=runtime_names, kv_cache="fp8" if kv else None, expected_targets=targets,
-                   inferred_layout=inferred, fused=FUSED,
-                   attention_layers=[f"model.layers.{n}.self_attn.attn" for n in range(LAYERS)],
-                   renames={"ct": {"weight_scale_inv": "weight_scale"}})
+                   fused=FUSED,
+                   attention_layers=[f"model.layers.{n}.self_attn.attn" for n in range(LAYERS)], mla=True,
+                   renames={"ct": CT_RENAMES, "marlin": CT_RENAMES})
 
 
+CT_RENAMES = {"weight_scale_inv": "weight_scale"}  # FP8 block scales: compressed-tensors' name
 ALL_CONVERT: dict[str, str | None] = {"ct": None, "quark": None, "marlin": None}
 QUARK_NO_BLOCK: dict[str, str | None] = {"ct": None, "quark": "fp8-block|no quark", "marlin": None}
 
@@ -178,7 +179,7 @@ def modelopt_nvfp4_r1(root: Path) -> Replica:
         "producer": {"name": "modelopt", "version": "0.23.0"},
         "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16,
                          "exclude_modules": exclude}})
-    return _replica(root, s, "modelopt-nvfp4-deepseek-r1", "modelopt-nvfp4", "w4a4", True, ALL_CONVERT, inferred=True)
+    return _replica(root, s, "modelopt-nvfp4-deepseek-r1", "modelopt-nvfp4", "w4a4", True, ALL_CONVERT)
 
 
 MIXED_VARIANTS = {

@@ -31,7 +31,9 @@ Quark (``quark/quark.py``, ``quark/utils.py``, ``quark/quark_moe.py``):
 The KV cache: compressed-tensors ``kv_cache_scheme`` (num_bits 8, float, strategy tensor or
 attn_head, symmetric) applies to every Attention layer; Quark's ``export.kv_cache_group`` patterns
 must fnmatch ``layer_quant_config`` keys whose ``output_tensors`` (fp8_e4m3, per_tensor) become
-the KV config, and an Attention layer that ``exclude`` matches gets no KV-cache method.
+the KV config, and an Attention layer that ``exclude`` matches gets no KV-cache method. Neither
+config gives one to DeepSeek's ``MLAAttention`` (not an ``Attention`` subclass; only ModelOpt's
+config handles it).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ResolveError", "kv_cache", "layer_class", "resolve"]
+__all__ = ["ResolveError", "kv_cache", "kv_cache_declared", "layer_class", "resolve"]
 
 
 class ResolveError(AssertionError):
@@ -282,9 +284,8 @@ def _quark_precision(weight: Any, inputs: Any, name: str) -> str:
 
 
 # KV cache --------------------------------------------------------------------------------------
-def kv_cache(config: Mapping[str, Any], attention_layer: str, *, fused: Mapping[str, list[str]] | None = None,
-             prefix_map: Mapping[str, str] | None = None) -> str | None:
-    """"fp8" when the runtime quantizes ``attention_layer``'s KV cache from the config, else None."""
+def kv_cache_declared(config: Mapping[str, Any]) -> str | None:
+    """"fp8" when the config declares an FP8 KV cache vLLM accepts, else None."""
     q = config.get("quantization_config")
     if not isinstance(q, dict):
         return None
@@ -309,8 +310,23 @@ def kv_cache(config: Mapping[str, Any], attention_layer: str, *, fused: Mapping[
             raise ResolveError(f"kv_cache_group entries disagree or are empty: {outs}")
         if outs[0].get("dtype") != "fp8_e4m3" or outs[0].get("qscheme") != "per_tensor":
             raise ResolveError(f"Quark KV cache config vLLM does not support: {outs[0]}")
-        exclude = [_map_name(t, dict(prefix_map or {})) for t in q.get("exclude") or []]
-        if _ignored(attention_layer, exclude, dict(fused or {})):
-            return None  # vLLM gives an excluded Attention layer no KV-cache method at all
         return "fp8"
     return None
+
+
+def kv_cache(config: Mapping[str, Any], attention_layer: str, *, fused: Mapping[str, list[str]] | None = None,
+             prefix_map: Mapping[str, str] | None = None, mla: bool = False) -> str | None:
+    """"fp8" when the runtime quantizes ``attention_layer``'s KV cache from the config, else None.
+
+    Both configs attach their KV-cache method only to ``Attention`` layers: DeepSeek's
+    ``MLAAttention`` is not one (``mla``), and a Quark ``exclude`` entry matching the Attention
+    layer's prefix leaves it without one."""
+    declared = kv_cache_declared(config)
+    if declared is None or mla:
+        return None
+    q = config.get("quantization_config") or {}
+    if q.get("quant_method") == "quark":
+        exclude = [_map_name(t, dict(prefix_map or {})) for t in q.get("exclude") or []]
+        if _ignored(attention_layer, exclude, dict(fused or {})):
+            return None
+    return declared
