@@ -57,11 +57,37 @@ def _register_refusal(version: str) -> None:
         log.warning(message)
         return
 
-    class _Refuse(QuantizationConfig):  # type: ignore[misc]
+    class _Refuse(QuantizationConfig):
+        """Claims Marlin-ready checkpoints only to stop them when the model is built (vLLM shows that line)."""
+
         @classmethod
         def override_quantization_method(cls, hf_quant_cfg: object, user_quant: object, hf_config: object = None,
-                                         **_: object) -> None:
-            if isinstance(hf_quant_cfg, dict) and NAME in hf_quant_cfg:
-                raise ValueError(message)
+                                         **_: object) -> str | None:
+            return NAME if isinstance(hf_quant_cfg, dict) and NAME in hf_quant_cfg else None
+
+        @classmethod
+        def get_name(cls) -> str:
+            return NAME
+
+        @classmethod
+        def get_supported_act_dtypes(cls) -> list[object]:
+            import torch
+
+            return [torch.bfloat16, torch.float16, torch.float32]
+
+        @classmethod
+        def get_min_capability(cls) -> int:
+            return 0
+
+        @staticmethod
+        def get_config_filenames() -> list[str]:
+            return []
+
+        @classmethod
+        def from_config(cls, config: dict[str, object]) -> _Refuse:
+            return cls()
+
+        def get_quant_method(self, layer: object, prefix: str) -> None:
+            raise ValueError(message)
 
     register_quantization_config(NAME)(_Refuse)

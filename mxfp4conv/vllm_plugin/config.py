@@ -12,7 +12,13 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from mxfp4conv.vllm_plugin import NAME
-from mxfp4conv.vllm_plugin.shards import MarlinReadyMismatch, RankShards, Server, check_server, read_rank_folder
+from mxfp4conv.vllm_plugin.shards import (
+    MarlinReadyMismatch,
+    RankShards,
+    Server,
+    check_server,
+    read_rank_folder,
+)
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -32,7 +38,7 @@ class MarlinReadyConfig(QuantizationConfig):
     # ---- what vLLM asks of every quantization config ------------------------------------------
 
     @classmethod
-    def get_name(cls) -> str:  # type: ignore[override]
+    def get_name(cls) -> str:
         return NAME
 
     @classmethod

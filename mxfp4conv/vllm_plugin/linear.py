@@ -7,6 +7,7 @@ module was padded. A padded member of a packed layer is refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +29,7 @@ class MarlinReadyLinearMethod(LinearMethodBase):
         self.parts = [m for _, m in parts]
         self.slots: dict[str, Slot] = {}
 
-    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+    def create_weights(self, layer: Any, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra: Any) -> None:
         dense = self.cfg.require_shards().dense
         infos = [dense[m] for m in self.parts]
@@ -65,7 +66,7 @@ class MarlinReadyLinearMethod(LinearMethodBase):
             if "bias" in info:
                 cols = slice(start, start + n)
                 self._slot(Slot(w, f"{m}.bias", info["bias"], on_load=self._bias_loader(layer, m, info["bias"], cols, total),
-                                view=lambda cols=cols: layer.bias.data[cols]))
+                                view=_bias_view(layer, cols)))
             start += n
 
     def _slot(self, slot: Slot) -> None:
@@ -81,7 +82,7 @@ class MarlinReadyLinearMethod(LinearMethodBase):
             param.data.copy_(t)
         return load
 
-    def _bias_loader(self, layer: torch.nn.Module, module: str, info: TensorInfo, cols: slice, total: int) -> Any:
+    def _bias_loader(self, layer: Any, module: str, info: TensorInfo, cols: slice, total: int) -> Any:
         """The layer allocates its bias itself (logical N, params dtype); the shards' is Marlin-permuted."""
         def load(t: torch.Tensor) -> None:
             bias = getattr(layer, "bias", None)
@@ -93,10 +94,10 @@ class MarlinReadyLinearMethod(LinearMethodBase):
             layer.bias.data[cols].copy_(t)
         return load
 
-    def targets(self, layer: torch.nn.Module) -> dict[str, Slot]:
+    def targets(self, layer: Any) -> dict[str, Slot]:
         return self.slots
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         check_all_loaded(self.slots.values())
         if getattr(layer, "bias", None) is not None and not any(n.endswith(".bias") for n in self.slots):
             raise MarlinReadyMismatch(f"{self.prefix}: the layer has a bias, the Marlin-ready shards hold none")
@@ -105,7 +106,7 @@ class MarlinReadyLinearMethod(LinearMethodBase):
 
         layer.workspace = marlin_make_workspace_new(layer.weight.device)
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         from vllm.model_executor.layers.quantization.utils.marlin_utils import get_marlin_input_dtype
         from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import apply_fp4_marlin_linear
 
@@ -114,3 +115,9 @@ class MarlinReadyLinearMethod(LinearMethodBase):
             weight_global_scale=getattr(layer, "weight_global_scale", None), workspace=layer.workspace,
             size_n=layer.output_size_per_partition, size_k=layer.input_size_per_partition, bias=bias,
             input_dtype=get_marlin_input_dtype(self.prefix))
+
+
+def _bias_view(layer: Any, cols: slice) -> Callable[[], torch.Tensor]:
+    def view() -> torch.Tensor:
+        return layer.bias.data[cols]
+    return view

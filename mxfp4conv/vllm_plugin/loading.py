@@ -68,4 +68,4 @@ def install() -> None:
 
     setattr(get_all_weights, _MARK, True)
     get_all_weights.__wrapped__ = original  # type: ignore[attr-defined]
-    DefaultModelLoader.get_all_weights = get_all_weights  # type: ignore[method-assign]
+    DefaultModelLoader.get_all_weights = get_all_weights

@@ -56,7 +56,7 @@ class MarlinReadyMoEMethod(FusedMoEMethodBase):
                                       f"H={hidden_size}, I/tp={intermediate_size_per_partition}")
         return hp, ip
 
-    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+    def create_weights(self, layer: Any, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra: Any) -> None:
         e = self.infos["w13_weight"].shape[0]
         if e != num_experts:
@@ -70,39 +70,51 @@ class MarlinReadyMoEMethod(FusedMoEMethodBase):
             param = allocate(layer, leaf, info, f"{self.module}.{leaf}")
             self.slots[f"{self.module}.{leaf}"] = Slot(param, f"{self.module}.{leaf}", info)
 
-    def targets(self, layer: torch.nn.Module) -> dict[str, Slot]:
+    def targets(self, layer: Any) -> dict[str, Slot]:
         return self.slots
 
     # ---- after loading: the kernel vLLM itself builds for Marlin FP4 experts ---------------------
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         check_all_loaded(self.slots.values())
         refuse_on_cpu(self.module)
         self.moe_quant_config = self.get_fused_moe_quant_config(layer)
         routing = layer._expert_routing_tables() if hasattr(layer, "_expert_routing_tables") else None
         if self.quant == "nvfp4":
-            from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend, make_nvfp4_moe_kernel
+            from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import (
+                NvFp4MoeBackend,
+                make_nvfp4_moe_kernel,
+            )
 
             self.moe_kernel = make_nvfp4_moe_kernel(self.moe_quant_config, self.moe, MarlinExperts,
                                                     NvFp4MoeBackend.MARLIN, routing_tables=routing)
         else:
-            from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend, make_mxfp4_moe_kernel
+            from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import (
+                Mxfp4MoeBackend,
+                make_mxfp4_moe_kernel,
+            )
 
             self.moe_kernel = make_mxfp4_moe_kernel(self.moe_quant_config, self.moe, MarlinExperts,
                                                     Mxfp4MoeBackend.MARLIN, routing_tables=routing)
         self.moe_kernel.fused_experts.process_weights_after_loading(layer)
 
-    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> Any:
+    def get_fused_moe_quant_config(self, layer: Any) -> Any:
         limit = getattr(layer, "swiglu_limit", None)
         if self.quant == "nvfp4":
-            from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import NvFp4MoeBackend, make_nvfp4_moe_quant_config
+            from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import (
+                NvFp4MoeBackend,
+                make_nvfp4_moe_quant_config,
+            )
 
             return make_nvfp4_moe_quant_config(
                 NvFp4MoeBackend.MARLIN, layer.w13_weight_scale, layer.w2_weight_scale, layer.w13_weight_scale_2,
-                layer.w2_weight_scale_2, None, None, swiglu_limit=limit,  # type: ignore[arg-type]
+                layer.w2_weight_scale_2, None, None, swiglu_limit=limit,
                 swiglu_alpha=getattr(layer, "swiglu_alpha", None), swiglu_beta=getattr(layer, "swiglu_beta", None),
                 layer=layer)
-        from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend, make_mxfp4_moe_quant_config
+        from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import (
+            Mxfp4MoeBackend,
+            make_mxfp4_moe_quant_config,
+        )
 
         act = _GPT_OSS_SWIGLU if self.interleaved else {"swiglu_limit": limit}
         return make_mxfp4_moe_quant_config(Mxfp4MoeBackend.MARLIN, w1_scale=layer.w13_weight_scale,

@@ -1,6 +1,6 @@
 """Run inside vLLM's venv: build a vLLM model from one Marlin-ready rank folder and load its weights.
 
-    python vllm_load.py RANK_DIR OUT_JSON --tp-size N --tp-rank R [--env KEY=VALUE ...]
+    python vllm_load.py CASES_JSON OUT_JSON
 
 vLLM's own config, model construction and default loader run on the CPU, with the plugin loaded
 through the ``vllm.general_plugins`` entry point. Every repack / Marlin preparation function of vLLM
@@ -8,8 +8,8 @@ is replaced by one that records the call and raises. For a TP rank other than 0 
 vLLM's tensor-parallel group is replaced by a stand-in that reports that size and rank (the layers
 then allocate that rank's partition). After loading, every tensor of the rank folder is compared byte
 for byte with the parameter (slice) the plugin loaded it into, and the plugin's post-load step is run
-(on the CPU it must refuse: there is no Marlin kernel). One JSON document into OUT_JSON (vLLM logs to
-stdout).
+(on the CPU it must refuse: there is no Marlin kernel). Several cases run in one process (vLLM's
+import dominates the time); one JSON result per case goes into OUT_JSON (vLLM logs to stdout).
 """
 
 from __future__ import annotations
@@ -78,12 +78,13 @@ def build(rank_dir: str, tp_size: int, tp_rank: int, engine_args: dict[str, obje
     args = EngineArgs(model=rank_dir, skip_tokenizer_init=True, enforce_eager=True, max_model_len=64, **kw)
     vllm_config = args.create_engine_config()
     with set_current_vllm_config(vllm_config):
-        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                        distributed_init_method=f"tcp://127.0.0.1:{free_port()}", backend="gloo")
-        ps.ensure_model_parallel_initialized(1, 1)
-        if tp_size > 1:
-            ps._TP = FakeTP(ps._TP, tp_size, tp_rank)  # type: ignore[assignment]
-            vllm_config.parallel_config.tensor_parallel_size = tp_size
+        if ps._TP is None:
+            ps.init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                            distributed_init_method=f"tcp://127.0.0.1:{free_port()}", backend="gloo")
+            ps.ensure_model_parallel_initialized(1, 1)
+        real = getattr(ps._TP, "_real", ps._TP)
+        ps._TP = FakeTP(real, tp_size, tp_rank) if tp_size > 1 else real  # type: ignore[assignment]
+        vllm_config.parallel_config.tensor_parallel_size = tp_size
         loader = get_model_loader(vllm_config.load_config)
         with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
             model = loader.create_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
@@ -125,42 +126,57 @@ def compare(model: object, rank_dir: str) -> dict[str, object]:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("rank_dir")
-    ap.add_argument("out")
-    ap.add_argument("--tp-size", type=int, default=1)
-    ap.add_argument("--tp-rank", type=int, default=0)
-    ap.add_argument("--env", action="append", default=[])
-    ap.add_argument("--engine-arg", action="append", default=[], help="NAME=JSON, passed to vLLM's EngineArgs")
-    a = ap.parse_args()
-    for kv in a.env:
-        k, _, v = kv.partition("=")
-        os.environ[k] = v
-    block_repacks()
-    doc: dict[str, object] = {}
-    try:
-        engine_args = {k: json.loads(v) for k, _, v in (e.partition("=") for e in a.engine_arg)}
-        model, vllm_config = build(a.rank_dir, a.tp_size, a.tp_rank, engine_args)
-    except Exception as e:  # the refusal under test, or a failure to report
-        doc.update(error=str(e), error_type=type(e).__name__, traceback=traceback.format_exc(), repack_calls=CALLS)
-        Path(a.out).write_text(json.dumps(doc))
-        return 3
-    doc.update(compare(model, a.rank_dir))
-    methods = sorted({type(m.quant_method).__name__ for m in model.modules()  # type: ignore[attr-defined]
-                      if getattr(m, "quant_method", None) is not None})
-    doc["methods"] = methods
+def run_case(case: dict[str, object]) -> dict[str, object]:
+    """One case: {"rank_dir", "tp_size", "tp_rank", "engine_args", "env", "vllm_version"}."""
+    import torch
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    try:
-        import torch
+    env = dict(case.get("env") or {})  # type: ignore[call-overload]
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    if case.get("vllm_version"):  # what an untested release sees: the plugin registers its refusal only
+        from mxfp4conv import vllm_plugin
 
+        vllm_plugin._register_refusal(str(case["vllm_version"]))
+    CALLS.clear()
+    doc: dict[str, object] = {}
+    try:
+        model, vllm_config = build(str(case["rank_dir"]), int(case.get("tp_size", 1)),  # type: ignore[call-overload]
+                                   int(case.get("tp_rank", 0)), dict(case.get("engine_args") or {}))  # type: ignore[call-overload]
+    except Exception as e:  # the refusal under test, or a failure to report
+        doc.update(error=str(e), error_type=type(e).__name__, traceback=traceback.format_exc(), repack_calls=list(CALLS))
+        return doc
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if case.get("vllm_version"):
+            from mxfp4conv.vllm_plugin import config
+
+            config.register()
+    doc.update(compare(model, str(case["rank_dir"])))
+    doc["methods"] = sorted({type(m.quant_method).__name__ for m in model.modules()  # type: ignore[attr-defined]
+                             if getattr(m, "quant_method", None) is not None})
+    try:
         process_weights_after_loading(model, vllm_config.model_config, torch.device("cpu"))  # type: ignore[attr-defined]
         doc["after_loading"] = "ok"
     except Exception as e:
         doc["after_loading"] = f"{type(e).__name__}: {e}"
-    doc["repack_calls"] = CALLS
-    Path(a.out).write_text(json.dumps(doc))
+    doc["repack_calls"] = list(CALLS)
+    return doc
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cases", help="JSON file: a list of cases (see run_case)")
+    ap.add_argument("out", help="JSON file written with one result per case")
+    a = ap.parse_args()
+    block_repacks()
+    cases = json.loads(Path(a.cases).read_text())
+    results = [run_case(c) for c in cases]
+    Path(a.out).write_text(json.dumps(results))
     return 0
 
 
