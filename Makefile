@@ -18,7 +18,7 @@ env-vllm: $(VLLM_STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# torch first, pinned: this machine's disk holds the CPU build of 2.13.0; a looser pin pulls a multi-GB CUDA build.
+	# torch first, pinned to 2.13.0, the release the tests run on; left to resolve on its own, pip may pick a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -m pip install -q -e ".[test,ray]"
 	touch $(STAMP)
@@ -65,8 +65,9 @@ lint: $(STAMP)
 fmt: $(STAMP)
 	$(BIN)/ruff check --fix .
 
+# CPU benchmarks; results go to .bench/ (untracked). BENCHMARKS.md lists the GPU ones.
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run_all.py
+	$(BIN)/python benchmarks/run_all.py --out-dir .bench
 
 clean:
 	rm -rf $(DEMO) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info
