@@ -217,3 +217,71 @@ def test_pure_nvfp4_families_keep_converting(converted: Callable[[str, str], tup
     cfg = json.loads((dst / "config.json").read_text())
     _check_resolution(r, cfg)
     _check_bytes(r, target, dst)
+
+
+# the resolver itself: vLLM 0.32's matching rules that the checks above rely on -------------------
+def _ct_cfg(ignore: list[str], groups: dict[str, Any] | None = None) -> dict[str, Any]:
+    mx = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True, "dynamic": False}
+    return {"quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+                                    "config_groups": groups or {"g": {"targets": ["Linear"], "weights": mx}},
+                                    "ignore": ignore}}
+
+
+def _quark_cfg(exclude: list[str], **extra: Any) -> dict[str, Any]:
+    w = {"dtype": "fp4", "qscheme": "per_group", "group_size": 32, "is_dynamic": False, "scale_format": "e8m0"}
+    return {"quantization_config": {"quant_method": "quark", "exclude": exclude, "layer_quant_config": {},
+                                    "layer_type_quant_config": {}, "export": {"kv_cache_group": []},
+                                    "global_quant_config": {"weight": w, "input_tensors": None, "output_tensors": None,
+                                                            "bias": None}, **extra}}
+
+
+def test_resolver_quark_exclude_matches_exactly_or_by_regex_never_by_glob() -> None:
+    m = "model.layers.3.self_attn.o_proj"
+    assert resolve(_quark_cfg(["model.layers.3*"]), m) == "mxfp4"
+    assert resolve(_quark_cfg([r"re:model\.layers\.3\..*"]), m) == "bf16"
+    assert resolve(_quark_cfg([m]), m) == "bf16"
+
+
+def test_resolver_quark_experts_are_excluded_by_their_prefix_or_an_exact_child() -> None:
+    experts = "model.layers.3.mlp.experts"
+    assert resolve(_quark_cfg([rf"re:model\.layers\.3\.mlp\.experts\.{e}\.gate_proj$" for e in range(4)]),
+                   experts) == "mxfp4"
+    assert resolve(_quark_cfg([f"{experts}.0.gate_proj"]), experts) == "bf16"
+    assert resolve(_quark_cfg([r"re:model\.layers\.3\..*"]), experts) == "bf16"
+
+
+def test_resolver_ct_experts_follow_expert_zero_and_all_three_projections() -> None:
+    experts = "model.layers.1.mlp.experts"
+    assert resolve(_ct_cfg([r"re:.*experts\.0\..*"]), experts) == "bf16"
+    assert resolve(_ct_cfg([r"re:.*experts\.1\..*"]), experts) == "mxfp4"  # vLLM probes expert 0 only
+    with pytest.raises(AssertionError, match="different schemes"):
+        resolve(_ct_cfg([r"re:.*experts\.0\.down_proj$"]), experts)
+
+
+def test_resolver_ct_renames_exact_names_not_regexes() -> None:
+    pmap = {"model.language_model.": "language_model.model."}
+    qkv = "language_model.model.layers.0.self_attn.qkv_proj"
+    fused = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    exact = [f"model.language_model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+    assert resolve(_ct_cfg(exact), qkv, fused=fused, prefix_map=pmap) == "bf16"
+    regex = [r"re:model\.language_model\.layers\.0\.self_attn\..*"]
+    assert resolve(_ct_cfg(regex), qkv, fused=fused, prefix_map=pmap) == "mxfp4"
+    with pytest.raises(AssertionError, match="not all shards"):
+        resolve(_ct_cfg(exact[:1]), qkv, fused=fused, prefix_map=pmap)
+
+
+def test_resolver_lm_head_is_quantized_only_by_name() -> None:
+    assert resolve(_ct_cfg([]), "lm_head") == "bf16"
+    assert resolve(_quark_cfg([]), "lm_head") == "bf16"
+
+
+def test_resolver_kv_cache_needs_an_attention_layer_the_config_does_not_exclude() -> None:
+    fp8 = {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False, "symmetric": True}
+    kv = {"*k_proj": {"weight": None, "input_tensors": None, "output_tensors": fp8, "bias": None},
+          "*v_proj": {"weight": None, "input_tensors": None, "output_tensors": fp8, "bias": None}}
+    layer = "model.layers.0.self_attn.attn"
+    for exclude, want in (([], "fp8"), ([r"re:.*self_attn.*"], None), (["model.layers.0.self_attn.o_proj"], "fp8")):
+        cfg = _quark_cfg(exclude, layer_quant_config=kv, export={"kv_cache_group": ["*k_proj", "*v_proj"]})
+        assert kv_cache_declared(cfg) == "fp8"
+        assert kv_cache(cfg, layer) == want, exclude
+        assert kv_cache(cfg, layer, mla=True) is None

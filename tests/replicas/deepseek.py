@@ -227,7 +227,7 @@ def ct_mixed_nvfp4_fp8block(root: Path) -> Replica:
             del s.tensors[f"{name}.weight"], s.tensors[f"{name}.weight_scale"]
             s.modules.pop(name)
             s.bf16(name, Q_LORA if m == "q_a_proj" else KV_LORA + ROPE, H)
-    block = {"actorder": None, "block_structure": [128, 128], "dynamic": False, "group_size": None, "num_bits": 8,
+    block: dict[str, Any] = {"actorder": None, "block_structure": [128, 128], "dynamic": False, "group_size": None, "num_bits": 8,
              "observer": "static_minmax", "observer_kwargs": {}, "scale_dtype": None, "strategy": "block",
              "symmetric": True, "type": "float", "zp_dtype": None}
     block_acts = {**block, "block_structure": None, "dynamic": True, "group_size": 128, "observer": None,
