@@ -183,7 +183,7 @@ def check_hasher() -> None:
 # The NVFP4 -> MXFP4 numerics contract (docs/NUMERICS.md) that requantized outputs are made under;
 # part of their fingerprint, so `--skip-if-current`, `--resume` and `--finish` never take bytes or
 # statistics of another contract for current. 2: the exact MSE decision, float32 block statistics and
-# 8-lane row sums (eighth session); outputs of earlier builds carry no "numerics" key.
+# 8-lane row sums (docs/NUMERICS.md, "Contract version"); outputs of earlier builds carry no "numerics" key.
 REQUANT_NUMERICS = 2
 
 

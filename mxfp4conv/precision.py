@@ -4,7 +4,7 @@ A checkpoint mixes precisions: FP4 experts (the units the layouts plan), FP8 Lin
 byte (per-tensor: ``weight`` F8_E4M3 + scalar ``weight_scale`` [+ scalar ``input_scale``]; 128x128
 blocks: a 2-D scale spelled ``weight_scale_inv`` (DeepSeek), ``weight_scale`` (compressed-tensors
 FP8_BLOCK) or ``scale`` F8_E8M0 (DeepSeek-V4)), unquantized Linears, and sometimes an FP8 KV cache.
-Writers must describe every one of them in the target's own syntax (docs/FORMATS.md §7), so the
+Writers must describe every one of them in the target's own syntax (docs/FORMATS.md §9), so the
 model is built here once, from headers alone, and cross-checked against the source's own config.
 
 Patterns: every source syntax is normalised to the two forms compressed-tensors and Quark match

@@ -141,7 +141,7 @@ COPY_CHUNK = 16 << 20
 # up to the switch interval (5 ms) while the producer runs Python (the GPU path's readers and
 # encoder), so small chunks collapse under contention: 1 MiB hashed at 1.25 GB/s alone but 0.09 GB/s
 # beside a Python-busy thread, 16 MiB at 0.74-1.12 and 0.65 (benchmarks/probe_hash_gil.py, dev VM).
-# 1 MiB was the default for one session (+3-6% alone, probe_hash_chunk.py); the H200 pipeline's
+# 1 MiB chunks are 3-6% faster alone, but with them the H200 pipeline's
 # hash seconds then rose from 17.2 to 22-26 s at 48 layers. This is the hashlib path's read size: by
 # default (MXFP4CONV_HASHER=auto) a range is hashed in one GIL-free call of the native hasher instead
 # (mxfp4conv/io/hash_native.py, reading hash_native.CHUNK at a time), with hashlib as the fallback.

@@ -1,4 +1,4 @@
-"""``deepseek-v4-mxfp4``: DeepSeek-V4's native checkpoint (docs/FORMATS.md §8).
+"""``deepseek-v4-mxfp4``: DeepSeek-V4's native checkpoint (docs/FORMATS.md §10).
 
 Routed experts ``layers.N.ffn.experts.E.w{1,2,3}.weight`` (and the MTP layers' ``mtp.N.ffn.experts...``)
 hold MXFP4 under other names and dtypes: packed E2M1 as I8 ``[N, K/2]`` (low nibble first, as every

@@ -1,4 +1,4 @@
-"""``quark-nvfp4``: AMD Quark NVFP4 (docs/FORMATS.md §5.2), requantized to MXFP4 like the other NVFP4 layouts.
+"""``quark-nvfp4``: AMD Quark NVFP4 (docs/FORMATS.md §4.5, §5), requantized to MXFP4 like the other NVFP4 layouts.
 
 Per quantized Linear: ``weight`` uint8 [N, K/2], ``weight_scale`` float8_e4m3fn [N, K/16],
 ``weight_scale_2`` scalar (a multiplier, as ModelOpt's) and ``input_scale_2`` scalar (the static global

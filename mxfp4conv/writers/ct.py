@@ -1,4 +1,4 @@
-"""``ct``: compressed-tensors ``mxfp4-pack-quantized``, split experts (docs/FORMATS.md §1.4, §6, §7).
+"""``ct``: compressed-tensors ``mxfp4-pack-quantized``, split experts (docs/FORMATS.md §1.4, §6, §9).
 
 Experts are written per expert under the names the architecture's vLLM/SGLang loader maps
 (``experts.E.{gate,up,down}_proj``; Mixtral/MiniMax ``w1/w3/w2``; DeepSeek-V4 ``w1/w3/w2``). The FP4
