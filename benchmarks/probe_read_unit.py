@@ -32,7 +32,8 @@ CHILD = r"""
 import json, sys, threading, time
 from mxfp4conv.pipeline import ConvertOptions, prepare
 src, busy = sys.argv[1], sys.argv[2] == "1"
-ckpt, layout, plan, target, ctx = prepare(src, ConvertOptions(target="ct", device="cpu"))
+job = prepare(src, ConvertOptions(target="ct", device="cpu"))
+ckpt, layout, plan, target, ctx = job.ckpt, job.layout, job.plan, job.target, job.ctx
 units = [u for u in plan.units if u.kind == "moe"]
 stop = False
 def spin():

@@ -1,4 +1,5 @@
-"""``verify``: re-read DST and prove it against SRC.
+"""``verify``: re-read DST and prove it against SRC (the standalone command; ``convert`` runs the
+same comparisons unit by unit while it writes: ``mxfp4conv/check.py``).
 
 Every output unit is decoded back to the canonical model with the target's ``decode`` and
 compared byte for byte with what SRC yields: for MXFP4 sources the source codes and scales
@@ -22,10 +23,24 @@ if TYPE_CHECKING:
 from mxfp4conv.canonical import Canonical, DenseFP4, MoELayer, Passthrough
 from mxfp4conv.canonicalize import to_mxfp4
 from mxfp4conv.errors import InputError, VerificationFailed
-from mxfp4conv.io.checkpoint import open_checkpoint
+from mxfp4conv.io.checkpoint import Checkpoint, open_checkpoint
 from mxfp4conv.io.safetensors_io import FileSlice, TensorRef
+from mxfp4conv.job import (
+    ConvertOptions,
+    Job,
+    cpu_kernel,
+    direct_slices,
+    needs_device,
+    prepare,
+    resolve_device,
+)
 
-__all__ = ["VerifyReport", "compare_units", "verify_output"]
+if TYPE_CHECKING:
+    from mxfp4conv.layouts.base import Plan
+    from mxfp4conv.writers import Target, WriterContext
+
+__all__ = ["VerifyReport", "compare_units", "first_difference", "first_range_difference", "planned_mismatches",
+           "verify_output"]
 
 MAX_SHOWN = 5
 
@@ -63,6 +78,8 @@ def _diff(name: str, want: torch.Tensor | None, got: torch.Tensor | None) -> dic
         return {"tensor": name, "message": "present in one side only"}
     if want.dtype != got.dtype or tuple(want.shape) != tuple(got.shape):
         return {"tensor": name, "message": f"expected {want.dtype}{list(want.shape)}, found {got.dtype}{list(got.shape)}"}
+    if got.device != want.device:
+        got = got.to(want.device)
     a = want.contiguous().reshape(-1).view(torch.uint8)
     b = got.contiguous().reshape(-1).view(torch.uint8)
     if torch.equal(a, b):
@@ -97,21 +114,48 @@ def first_difference(a: FileSlice, b: TensorRef, chunk: int = 16 << 20) -> int |
     """Offset of the first byte where a source range and an output tensor differ (None if equal)."""
     if a.length != b.nbytes:
         return 0
-    fa, fb = os.open(a.file, os.O_RDONLY), os.open(b.file, os.O_RDONLY)
+    fb = os.open(b.file, os.O_RDONLY)
+    try:
+        return first_range_difference(a.file, a.begin, fb, b.begin, a.length, chunk)
+    finally:
+        os.close(fb)
+
+
+def first_range_difference(src: Path, src_pos: int, fd: int, pos: int, length: int,
+                           chunk: int = 16 << 20) -> int | None:
+    """Offset of the first byte where ``length`` bytes of ``src`` from ``src_pos`` and of the open
+    file ``fd`` from ``pos`` differ (None if equal; a short file differs where it ends)."""
+    fa = os.open(src, os.O_RDONLY)
     try:
         off = 0
-        while off < a.length:
-            n = min(chunk, a.length - off)
-            x, y = os.pread(fa, n, a.begin + off), os.pread(fb, n, b.begin + off)
+        while off < length:
+            n = min(chunk, length - off)
+            x, y = os.pread(fa, n, src_pos + off), os.pread(fd, n, pos + off)
             if x != y:
                 if len(x) != n or len(y) != n:
-                    return off + min(len(x), len(y))
+                    m = min(len(x), len(y))
+                    return off + next((i for i in range(m) if x[i] != y[i]), m)
                 return off + next(i for i in range(n) if x[i] != y[i])
             off += n
     finally:
         os.close(fa)
-        os.close(fb)
     return None
+
+
+def planned_mismatches(out: Checkpoint, plan: Plan, target: Target, rctx: WriterContext) -> list[dict[str, Any]]:
+    """How the tensors of an output folder differ from the plan: unexpected, missing, other dtype or shape."""
+    found: list[dict[str, Any]] = []
+    planned = {t.name: t for u in plan.units for t in target.out_specs(u, rctx)}
+    for name in sorted(set(out.tensors) - set(planned))[:MAX_SHOWN]:
+        found.append({"tensor": name, "message": "unexpected tensor in output"})
+    for name, t in planned.items():
+        ref = out.tensors.get(name)
+        if ref is None:
+            found.append({"tensor": name, "message": "missing from output"})
+        elif ref.dtype != t.dtype or ref.shape != t.shape:
+            found.append({"tensor": name, "message": f"output is {ref.dtype}{list(ref.shape)}, "
+                                                     f"expected {t.dtype}{list(t.shape)}"})
+    return found
 
 
 def _manifest(dst: Path) -> dict[str, Any]:
@@ -126,43 +170,25 @@ def _manifest(dst: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def verify_output(src: str | Path, dst: str | Path, *, manifest_opts: Any = None, _prepared: Any = None,
-                  raise_on_failure: bool = True, device: str = "cpu") -> VerifyReport:
-    """Compare DST with SRC; raises ``VerificationFailed`` (exit 3) on any difference."""
-    from mxfp4conv.pipeline import (
-        ConvertOptions,
-        _needs_device,
-        cpu_kernel,
-        direct_slices,
-        prepare,
-        resolve_device,
-    )
-
+def verify_output(src: str | Path, dst: str | Path, *, manifest_opts: ConvertOptions | None = None,
+                  job: Job | None = None, raise_on_failure: bool = True, device: str = "cpu") -> VerifyReport:
+    """Compare DST with SRC; raises ``VerificationFailed`` (exit 3) on any difference. ``job``: SRC
+    already planned (its options are used); else ``manifest_opts``, else the options DST's manifest records."""
     dst = Path(dst)
-    if manifest_opts is None:
-        m = _manifest(dst)
-        o = m.get("options", {})
-        manifest_opts = ConvertOptions(target=m.get("target", "auto"), scale_rule=o.get("scale_rule", "mse"),
-                                       extra=dict(o.get("extra", {})), device=device)
-    opts = manifest_opts
-    ckpt, layout, plan, target, ctx = _prepared or prepare(src, opts)
-    opts = dataclasses.replace(opts, device=resolve_device(opts.device, _needs_device(ctx)))
-    cpu_kernel(opts.device, _needs_device(ctx))  # a bad MXFP4CONV_CPU_KERNEL fails here, in one line
+    if job is None:
+        if manifest_opts is None:
+            m = _manifest(dst)
+            o = m.get("options", {})
+            manifest_opts = ConvertOptions(target=m.get("target", "auto"), scale_rule=o.get("scale_rule", "mse"),
+                                           extra=dict(o.get("extra", {})), device=device)
+        job = prepare(src, manifest_opts)
+    ckpt, layout, plan, target, ctx = job.ckpt, job.layout, job.plan, job.target, job.ctx
+    opts = dataclasses.replace(job.opts, device=resolve_device(job.opts.device, needs_device(ctx)))
+    cpu_kernel(opts.device, needs_device(ctx))  # a bad MXFP4CONV_CPU_KERNEL fails here, in one line
     report = VerifyReport(str(src), str(dst), target.NAME)
-    for r in target.ranks(ctx):
-        rctx = dataclasses.replace(ctx, options={**ctx.options, "tp_rank": str(r)})
-        folder = target.rank_folder(r, rctx)
+    for _, folder, rctx in job.rank_contexts():
         out = open_checkpoint(dst / folder if folder else dst)
-        planned = {t.name: t for u in plan.units for t in target.out_specs(u, rctx)}
-        for name in sorted(set(out.tensors) - set(planned))[:MAX_SHOWN]:
-            report.mismatches.append({"tensor": name, "message": "unexpected tensor in output"})
-        for name, t in planned.items():
-            ref = out.tensors.get(name)
-            if ref is None:
-                report.mismatches.append({"tensor": name, "message": "missing from output"})
-            elif ref.dtype != t.dtype or ref.shape != t.shape:
-                report.mismatches.append({"tensor": name, "message": f"output is {ref.dtype}{list(ref.shape)}, "
-                                                                     f"expected {t.dtype}{list(t.shape)}"})
+        report.mismatches += planned_mismatches(out, plan, target, rctx)
         if report.mismatches:
             break
         for spec in plan.units:
@@ -177,7 +203,7 @@ def verify_output(src: str | Path, dst: str | Path, *, manifest_opts: Any = None
                         report.mismatches.append({"tensor": o.name, "message": f"bytes differ from the source, "
                                                   f"first at byte {at}"})
                 continue
-            pin = _needs_device(ctx) and opts.device.startswith("cuda")
+            pin = needs_device(ctx) and opts.device.startswith("cuda")
             if pin:
                 import torch
 
@@ -186,6 +212,7 @@ def verify_output(src: str | Path, dst: str | Path, *, manifest_opts: Any = None
             if ctx.options.get("keep_nvfp4") != "1":
                 want, _ = to_mxfp4(want, rule=opts.scale_rule, device=opts.device)
             want = target.slice_for_rank(want, spec, rctx)
+
             def getter(n: str, out: Any = out) -> torch.Tensor:
                 return out.tensors[n].load()
 

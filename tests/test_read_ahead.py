@@ -7,7 +7,10 @@ from pathlib import Path
 
 from tiny import build
 
-from mxfp4conv.pipeline import ConvertOptions, _read_ahead, _read_sizes, direct_slices, plan_shards, prepare
+from mxfp4conv.job import ConvertOptions, direct_slices, prepare
+from mxfp4conv.pipeline import plan_shards
+from mxfp4conv.units import read_ahead as _read_ahead
+from mxfp4conv.units import read_sizes as _read_sizes
 
 
 def test_the_next_moe_layer_is_read_while_this_one_is_transformed(tmp_path: Path) -> None:
@@ -16,7 +19,8 @@ def test_the_next_moe_layer_is_read_while_this_one_is_transformed(tmp_path: Path
     is the current unit, the second one is already submitted (before, their bytes filled the budget
     and the next layer's read waited for the current layer's transform)."""
     src = build("modelopt-nvfp4", tmp_path / "src", shards=1)
-    ckpt, _, plan, target, ctx = prepare(src, ConvertOptions(target="ct"))
+    job = prepare(src, ConvertOptions(target="ct"))
+    ckpt, plan, target, ctx = job.ckpt, job.plan, job.target, job.ctx
     units = [u for shard in plan_shards(target, ctx, plan, 1 << 40, "") for u in shard.units]
     sizes = _read_sizes(units, [direct_slices(u, ckpt, target, ctx) for u in units], ckpt)
     moe = [i for i, u in enumerate(units) if u.kind == "moe"]

@@ -21,7 +21,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import lru_cache
@@ -35,9 +35,11 @@ from mxfp4conv.errors import InputError, OutputError
 from mxfp4conv.io import hash_native
 
 __all__ = [  # and DTYPES, built lazily by the module __getattr__
+    "CHECK_HOOK",
     "ITEMSIZE",
     "MAX_HEADER_BYTES",
     "MAX_JSON_BYTES",
+    "CheckRange",
     "FileSlice",
     "InflightBudget",
     "TensorRef",
@@ -134,6 +136,23 @@ class FileSlice:
     # MXFP4 E8M0 scales: the byte 0xFF (NaN) is invalid input. Checked by the hasher thread, which
     # reads every copied byte from its source anyway (an InputError naming file and tensor fails the shard).
     e8m0: bool = False
+
+
+@dataclass(frozen=True)
+class CheckRange:
+    """A marker in a shard's data stream (not a tensor): once every byte before it is in the file, the
+    shard's check thread calls ``fn(fd, begin, end)`` with a read-only descriptor of the shard and the
+    byte range since the previous marker (or the end of the header). ``hold``: host bytes the check
+    keeps alive until it has run (they count against the writer's in-flight budget meanwhile). An
+    exception from ``fn`` fails the shard."""
+
+    fn: Callable[[int, int, int], None]
+    hold: int = 0
+
+
+# Called on the check thread as (shard path, begin, end) just before a range is checked: a test hook
+# (tests flip a staged byte here, between the write and the check). None in normal use.
+CHECK_HOOK: Callable[[Path, int, int], None] | None = None
 
 
 COPY_CHUNK = 16 << 20
@@ -422,7 +441,7 @@ class InflightBudget:
 
 
 def stream_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]]],
-                       data: Iterable[bytes | torch.Tensor | FileSlice],
+                       data: Iterable[bytes | torch.Tensor | FileSlice | CheckRange],
                        metadata: dict[str, str] | None = None,
                        budget: InflightBudget | None = None) -> Future[str]:
     """Stream tensors into a new safetensors file; returns as soon as every item is queued.
@@ -431,25 +450,45 @@ def stream_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]
     ``data`` (one item per entry, in the same order) can be produced lazily. Writing and hashing run
     on background threads (both release the GIL), overlapping with the producer's reading and
     transforming; bytes queued for writing count against ``budget`` (1 GiB by default; the hasher
-    reads computed bytes back from the file once written and holds none). The future resolves to
-    the sha256 once the shard's writer and hasher threads are done and the file is fsynced, or to
-    the error they met (``OutputError`` for the destination; ``InputError`` for a source that changed
-    while copied or a copied E8M0 scale byte 0xFF). The caller must wait for it before using or
-    removing the file."""
+    reads computed bytes back from the file once written and holds none). ``CheckRange`` items in
+    ``data`` (not entries) queue a check of the bytes since the previous one, run on a third thread
+    once they are written. The future resolves to the sha256 once the shard's writer, hasher and
+    check threads are done and the file is fsynced, or to the error they met (``OutputError`` for
+    the destination; ``InputError`` for a source that changed while copied or a copied E8M0 scale
+    byte 0xFF; whatever a check raised). The caller must wait for it before using or removing the file."""
     sized = [(n, d, s, math.prod(s) * ITEMSIZE[d]) for n, d, s in entries]
     writer = _BackgroundWriter(path, budget or InflightBudget())
     try:
-        writer.put(_header_bytes(sized, metadata))
+        head = _header_bytes(sized, metadata)
+        writer.put(head)
         # Consecutive byte-range copies travel together, and so do consecutive computed buffers (one
         # hand-off, one writev and one read-back per batch: a ct output has ~800 tensors per MoE layer).
         slices: list[FileSlice] = []
         bufs: list[bytes | memoryview] = []
         held = 0  # bytes of the batch being gathered
-        for (name, dtype, shape, nbytes), item in zip(sized, _iter_checked(data, len(sized)), strict=False):
+        pos = checked = len(head)  # file offset of the next byte; end of the last checked range
+        todo = iter(sized)
+        count = 0
+        for item in data:
+            if isinstance(item, CheckRange):
+                if slices:
+                    writer.put(tuple(slices))
+                if bufs:
+                    writer.put(bufs)
+                slices, bufs, held = [], [], 0
+                writer.put_check(item, checked, pos)
+                checked = pos
+                continue
+            count += 1
+            entry = next(todo, None)
+            if entry is None:
+                raise AssertionError(f"planned {len(sized)} tensors, produced more")
+            name, dtype, shape, nbytes = entry
             raw = item if isinstance(item, FileSlice) else _as_bytes(item)
             size = raw.length if isinstance(raw, FileSlice) else len(raw)
             if size != nbytes:
                 raise AssertionError(f"{name}: produced {size} bytes, planned {nbytes} ({dtype}{list(shape)})")
+            pos += size
             if isinstance(raw, FileSlice):
                 if bufs:
                     writer.put(bufs)
@@ -469,6 +508,8 @@ def stream_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]
             if len(bufs) >= BATCH_SLICES or held >= BATCH_BYTES:
                 writer.put(bufs)
                 bufs, held = [], 0
+        if count != len(sized):
+            raise AssertionError(f"planned {len(sized)} tensors, produced {count}")
         if slices:
             writer.put(tuple(slices))
         if bufs:
@@ -545,13 +586,16 @@ class _BackgroundWriter:
         self._fds: tuple[dict[Path, int], dict[Path, int]] = ({}, {})
         self._wq: queue.Queue[bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | None] = queue.Queue()
         self._hq: queue.Queue[int | tuple[FileSlice, ...] | None] = queue.Queue()  # buffers by size
+        self._cq: queue.Queue[tuple[CheckRange, int, int] | None] = queue.Queue()  # ranges to check
+        self._checks = 0
         self._budget = budget
         self._error: BaseException | None = None
         self._cond = threading.Condition()  # guards _written (bytes the writer has finished) and _error
         self._written = 0
-        self._busy = [0.0, 0.0]  # seconds the writer / the hasher thread worked (not waited)
+        self._busy = [0.0, 0.0, 0.0]  # seconds the writer / hasher / check thread worked (not waited)
         self._threads = [threading.Thread(target=self._write_loop, name="mxfp4conv-writer", daemon=True),
-                         threading.Thread(target=self._hash_loop, name="mxfp4conv-hasher", daemon=True)]
+                         threading.Thread(target=self._hash_loop, name="mxfp4conv-hasher", daemon=True),
+                         threading.Thread(target=self._check_loop, name="mxfp4conv-check", daemon=True)]
         for t in self._threads:
             t.start()
 
@@ -605,6 +649,27 @@ class _BackgroundWriter:
             self._fail(exc)
             while self._hq.get() is not None:
                 pass
+
+    def _check_loop(self) -> None:
+        """Run each queued check once its range is in the file; its held bytes are released after it."""
+        while (job := self._cq.get()) is not None:
+            chk, begin, end = job
+            try:
+                with self._cond:
+                    while self._written < end and self._error is None:
+                        self._cond.wait()
+                if self._error is None:
+                    if CHECK_HOOK is not None:
+                        CHECK_HOOK(self._path, begin, end)
+                    t0 = time.perf_counter()
+                    chk.fn(self._rfd, begin, end)
+                    self._busy[2] += time.perf_counter() - t0
+            except BaseException as exc:  # reported to the producer
+                self._fail(exc)
+            finally:
+                with self._budget.cond:
+                    self._budget.used -= chk.hold
+                    self._budget.cond.notify_all()
 
     def _will_need(self, job: tuple[FileSlice, ...]) -> None:
         """Ask the kernel to start reading a batch's source ranges now (``POSIX_FADV_WILLNEED``: an
@@ -733,14 +798,28 @@ class _BackgroundWriter:
         self._wq.put(raw)
         self._hq.put(raw if isinstance(raw, tuple) else size)
 
+    def put_check(self, chk: CheckRange, begin: int, end: int) -> None:
+        """Queue a check of the file's bytes ``[begin, end)`` (all of them already ``put``)."""
+        self._raise()
+        b = self._budget
+        with b.cond:
+            while b.used and b.used + chk.hold > b.limit and self._error is None:
+                b.cond.wait()
+            b.used += chk.hold
+        self._checks += 1
+        self._cq.put((chk, begin, end))
+
     def _join(self) -> None:
         self._wq.put(None)
         self._hq.put(None)
+        self._cq.put(None)
         for t in self._threads:
             t.join()
         with self._budget.cond:
             self._budget.seconds["write"] += self._busy[0]
             self._budget.seconds["hash"] += self._busy[1]
+            if self._checks:
+                self._budget.seconds["verify"] = self._budget.seconds.get("verify", 0.0) + self._busy[2]
         for fds in self._fds:
             for fd in fds.values():
                 os.close(fd)
@@ -773,15 +852,6 @@ def _size(raw: bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, 
     if isinstance(raw, list):
         return sum(len(b) for b in raw)
     return len(raw)
-
-
-def _iter_checked(data: Iterable[bytes | torch.Tensor | FileSlice], n: int) -> Iterator[bytes | torch.Tensor | FileSlice]:
-    count = 0
-    for item in data:
-        count += 1
-        yield item
-    if count != n:
-        raise AssertionError(f"planned {n} tensors, produced {count}")
 
 
 def _as_bytes(item: bytes | torch.Tensor) -> bytes | memoryview:

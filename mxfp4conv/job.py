@@ -1,0 +1,163 @@
+"""A conversion job as planned from SRC's headers: what both ``convert`` and ``verify`` start from.
+
+``prepare(src, opts)`` opens the checkpoint, detects its layout, plans its units, resolves the
+target and builds the writer context; the ``Job`` it returns carries them with the options. The
+helpers here decide where units are transformed and which of them are plain byte-range copies.
+Nothing here imports torch unless a GPU has to be looked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mxfp4conv.errors import InputError, UsageError
+from mxfp4conv.inspect import analyze, writer_context
+from mxfp4conv.io.checkpoint import Checkpoint, open_checkpoint
+from mxfp4conv.io.safetensors_io import FileSlice
+from mxfp4conv.layouts.base import Plan
+from mxfp4conv.writers import Target, WriterContext, get_target, resolve_auto
+from mxfp4conv.writers.base import UnitSpec
+
+__all__ = ["GB", "ConvertOptions", "Job", "cpu_kernel", "devices", "direct_slices", "needs_device", "prepare",
+           "resolve_device"]
+
+GB = 1000**3
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    target: str = "auto"
+    scale_rule: str = "mse"
+    device: str = "cpu"
+    max_shard_size: int = 5 * GB
+    overwrite: bool = False
+    dry_run: bool = False
+    verify: bool = True
+    skip_if_current: bool = False
+    revision: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)  # target options (tp_size, engine, ...)
+    resume: bool = False  # reuse finished shards of an interrupted run's staging folder
+    partition: tuple[int, int] | None = None  # (i, n): write only shards j with j % n == i, publish nothing
+    finish: bool = False  # publish once every partition's shards are in the staging folder
+    devices: tuple[str, ...] = ()  # explicit devices for unit transforms, e.g. ("cuda:0", "cuda:1")
+
+    def fingerprint_dict(self) -> dict[str, Any]:
+        return {"target": self.target, "scale_rule": self.scale_rule, "max_shard_size": self.max_shard_size,
+                "extra": dict(sorted(self.extra.items()))}
+
+
+@dataclass(frozen=True)
+class Job:
+    """SRC planned for one target: checkpoint, layout module, unit plan, target, writer context, options."""
+
+    ckpt: Checkpoint
+    layout: Any  # the layout module (detect / validate / plan / read)
+    plan: Plan
+    target: Target
+    ctx: WriterContext
+    opts: ConvertOptions
+
+    @property
+    def needs_device(self) -> bool:
+        return needs_device(self.ctx)
+
+    def with_options(self, opts: ConvertOptions) -> Job:
+        return dataclasses.replace(self, opts=opts)
+
+    def rank_contexts(self) -> list[tuple[int, str, WriterContext]]:
+        """(rank, output folder, the rank's writer context) for every tensor-parallel rank written."""
+        out = []
+        for r in self.target.ranks(self.ctx):
+            rctx = dataclasses.replace(self.ctx, options={**self.ctx.options, "tp_rank": str(r)})
+            out.append((r, self.target.rank_folder(r, rctx), rctx))
+        return out
+
+
+def prepare(src: str | Path, opts: ConvertOptions) -> Job:
+    """Open, detect, validate and plan SRC for ``opts.target``; ``InputError`` / ``UsageError`` when it cannot be."""
+    ckpt = open_checkpoint(src, opts.revision)
+    layout, plan, _ = analyze(ckpt)
+    if plan.problems:
+        p = plan.problems[0]
+        more = f" (and {len(plan.problems) - 1} more; run mxfp4conv inspect)" if len(plan.problems) > 1 else ""
+        raise InputError(p.message + more, file=p.file, tensor=p.tensor or None,
+                         hint="run `mxfp4conv inspect SRC` for every problem; fix or re-download the checkpoint")
+    name = resolve_auto(plan.facts.model_type) if opts.target == "auto" else opts.target
+    target = get_target(name)
+    ctx = writer_context(plan, ckpt, {**opts.extra, "target": name, "scale_rule": opts.scale_rule})
+    why = target.refuse(ctx)
+    if why and opts.target == "auto" and name == "gpt-oss":
+        # gpt_oss with FP4 attention (llm-compressor) has no native layout: Quark is the served one
+        name = "quark"
+        target = get_target(name)
+        ctx = writer_context(plan, ckpt, {**opts.extra, "target": name, "scale_rule": opts.scale_rule})
+        why = target.refuse(ctx)
+    if why:
+        raise UsageError(f"cannot convert {plan.layout} ({plan.facts.model_type}) to --to {name}: {why}")
+    return Job(ckpt, layout, plan, target, ctx, opts)
+
+
+def needs_device(ctx: WriterContext) -> bool:
+    """Whether any unit is requantized (the only work that runs on ``--device``)."""
+    return ctx.facts.source_quant == "nvfp4" and ctx.options.get("keep_nvfp4") != "1"
+
+
+def resolve_device(name: str, needed: bool = True) -> str:
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; other names unchanged. With
+    ``needed=False`` (nothing will be requantized: renames, Marlin repacks of MXFP4) ``auto`` is
+    ``cpu`` without importing torch, so such conversions and ``inspect`` start in a fraction of a second."""
+    if name != "auto":
+        return name
+    if not needed:
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cpu_kernel(device: str, needed: bool) -> str | None:
+    """Which CPU requant path runs (``native`` or ``torch``), None when nothing is requantized on the
+    CPU. Builds the compiled kernel now, so that ``MXFP4CONV_CPU_KERNEL=native`` without a C compiler
+    (or a bad mode) fails before any output is written, as a ``UsageError``."""
+    if not needed or device != "cpu":
+        return None
+    from mxfp4conv.kernels import requant_native
+
+    try:
+        return "native" if requant_native.load() is not None else "torch"
+    except (OSError, ValueError) as exc:
+        raise UsageError(str(exc), hint="unset MXFP4CONV_CPU_KERNEL, or install a C compiler (cc / gcc / clang)") from exc
+
+
+def devices(opts: ConvertOptions) -> list[str]:
+    """Where units are transformed: every visible GPU for ``--device cuda``, the listed ones, or one device."""
+    if opts.devices:
+        return list(opts.devices)
+    if opts.device == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    return [opts.device]
+
+
+def direct_slices(spec: UnitSpec, ckpt: Checkpoint, target: Target, ctx: WriterContext) -> list[FileSlice] | None:
+    """Source byte ranges that become the unit's output tensors unchanged, or None (needs decoding)."""
+    if ctx.facts.source_quant != "mxfp4" and spec.kind != "passthrough":
+        return None
+    names = target.direct_sources(spec, ctx)
+    if names is None:
+        return None
+    outs = target.out_specs(spec, ctx)
+    refs = [ckpt.tensors[n] for n in names]
+    if len(refs) != len(outs) or any(r.dtype != o.dtype or r.nbytes != o.nbytes
+                                     for r, o in zip(refs, outs, strict=True)):
+        return None
+    # E8M0 0xFF (NaN) is invalid input even when only copied: the writer's hasher, which reads every
+    # copied byte anyway, checks these slices (no separate pass over the scales)
+    return [FileSlice(r.file, r.begin, r.nbytes, r.name,
+                      e8m0=spec.kind != "passthrough" and r.dtype == "U8" and r.name.endswith(("weight_scale", "_scales")))
+            for r in refs]
