@@ -2,11 +2,12 @@
 FP4 MLPs in the ``first_k_dense_replace`` layers, shared experts, a ``noaux_tc`` router and the
 MTP layer ``model.layers.{num_hidden_layers}`` (BF16, a whole decoder block with BF16 experts).
 
-KV-cache scales: ModelOpt's FP8 KV export of an MLA model attaches the k/v output quantizers to
-``kv_a_proj_with_mqa`` (the projection whose output is the cached latent), so the scales are
-``model.layers.N.self_attn.kv_a_proj_with_mqa.{k,v}_scale`` (F32 scalars); SGLang's
-``maybe_remap_deepseek_mla_kv_scale`` remaps exactly that name. They are passthrough tensors here:
-whatever the target, they must arrive byte-identical.
+KV-cache scales: ``model.layers.N.self_attn.k_proj.k_scale`` / ``v_proj.v_scale`` (F32 scalars),
+ModelOpt's naming, although MLA has no k_proj / v_proj module: vLLM 0.32's
+``maybe_remap_kv_scale_name`` maps exactly ``.self_attn.{k,v}_proj.{k,v}_scale`` onto the MLA
+layer's ``mla_attn.mla_attn.{k,v}_scale`` ("ModelOpt format"), and SGLang's
+``maybe_remap_deepseek_mla_kv_scale`` accepts it (and ``kv_a_proj_with_mqa.{k,v}_scale``). They are
+passthrough tensors: whatever the target, they must arrive byte-identical.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def _model(s: Sink, *, attn: str, dense_mlp: str, shared: str, fmt: dict[str, An
                indexer=v32, fmt=fmt)
         if kv_scales:
             for kv in ("k", "v"):
-                s.put(f"{p}.self_attn.kv_a_proj_with_mqa.{kv}_scale", torch.tensor(0.05 + 0.01 * n, dtype=torch.float32))
+                s.put(f"{p}.self_attn.{kv}_proj.{kv}_scale", torch.tensor(0.05 + 0.01 * n, dtype=torch.float32))
     p = f"model.layers.{MTP}"  # MTP: BF16 throughout, experts included
     _layer(s, p, attn="bf16", mlp="bf16", dense=False, experts="bf16", shared="bf16", indexer=v32, fmt=fmt)
     s.embedding(f"{p}.embed_tokens", VOCAB, H)

@@ -64,7 +64,9 @@ def resolve(config: Mapping[str, Any], name: str, *, fused: Mapping[str, list[st
             prefix_map: Mapping[str, str] | None = None,
             expert_projs: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> str:
     """Precision ("mxfp4", "nvfp4", "fp8-tensor", "fp8-block", "bf16" or "other:...") that the
-    runtime module ``name`` gets from ``config`` (a whole config.json)."""
+    runtime module ``name`` gets from ``config`` (a whole config.json). "fp8-tensor" means FP8
+    per-tensor weights with a static per-tensor input scale (what ModelOpt's FP8 layers carry);
+    dynamic or weight-only activations come back as "fp8-tensor/dynamic" or "fp8-tensor/w8a16"."""
     q = config.get("quantization_config")
     if not isinstance(q, dict):
         return "bf16"
@@ -164,10 +166,10 @@ def _ct(q: Mapping[str, Any], name: str, fused: Mapping[str, list[str]], pmap: M
         scheme = _ct_scheme(name, cls, q, schemes, fused, pmap)
     if scheme is None or scheme.get("weights") is None:
         return "bf16"
-    return _ct_precision(scheme["weights"])
+    return _ct_precision(scheme["weights"], scheme.get("input_activations"))
 
 
-def _ct_precision(w: Mapping[str, Any]) -> str:
+def _ct_precision(w: Mapping[str, Any], acts: Mapping[str, Any] | None) -> str:
     kind, bits, strategy, group = w.get("type"), w.get("num_bits"), w.get("strategy"), w.get("group_size")
     if kind == "float" and bits == 4 and w.get("symmetric"):
         if strategy == "group" and group == 32:
@@ -176,7 +178,11 @@ def _ct_precision(w: Mapping[str, Any]) -> str:
             return "nvfp4"
     if kind == "float" and bits == 8:
         if strategy == "tensor":
-            return "fp8-tensor"
+            if acts is None:
+                return "fp8-tensor/w8a16"  # the checkpoint's input_scale would have no parameter
+            if acts.get("dynamic"):
+                return "fp8-tensor/dynamic"
+            return "fp8-tensor" if acts.get("strategy") == "tensor" else f"fp8-tensor/{acts.get('strategy')}"
         if strategy == "block" and list(w.get("block_structure") or []) == [128, 128]:
             return "fp8-block"
     return f"other:{kind}/{bits}/{strategy}/{group}"
@@ -272,7 +278,9 @@ def _quark_precision(weight: Any, inputs: Any, name: str) -> str:
         if not isinstance(inputs, dict) or inputs.get("dtype") != "fp8_e4m3" or weight.get("is_dynamic"):
             raise ResolveError(f"{name}: FP8 weights need FP8 input_tensors in vLLM's Quark schemes")
         if qscheme == "per_tensor":
-            return "fp8-tensor"
+            if inputs.get("is_dynamic"):
+                return "fp8-tensor/dynamic"
+            return "fp8-tensor" if inputs.get("qscheme") == "per_tensor" else f"fp8-tensor/{inputs.get('qscheme')}"
         if qscheme == "per_block" and list(weight.get("block_size") or []) == [128, 128] and weight.get("symmetric") is True:
             return "fp8-block"
         return f"other:fp8/{qscheme}"
