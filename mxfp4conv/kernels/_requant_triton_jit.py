@@ -9,9 +9,9 @@ Design (one program = ``ROWS`` rows, walked 8 32-blocks at a time):
 * One block per lane, no exchange between threads: a step covers 8 consecutive blocks of every
   row (128 contiguous bytes per row), and each of a block's 4 packed words and 2 E4M3 bytes is
   loaded (and each output word stored) as its own ``[ROWS, 8]`` tensor, all in one register
-  layout, so no shared-memory layout conversion or barrier runs inside the loop (an earlier
-  ``[ROWS, 8, 4]`` tile with reshape / split / join put 32 shared-memory accesses and barriers in
-  a 764-instruction loop; now 554 and none: ``benchmarks/probe_sass.py``). The row sums are the
+  layout, so no shared-memory layout conversion or barrier runs inside the loop (a
+  ``[ROWS, 8, 4]`` tile with reshape / split / join puts 32 shared-memory accesses and barriers in
+  the loop; this layout has none, and EVEN's loop is 554 instructions in the sm_90 SASS). The row sums are the
   contract's 8 lanes (NUMERICS.md "Row sums": block j in lane j % 8): each lane accumulates its
   own blocks, and only the program's end adds the 8 lanes in order
   (``_lanes``).

@@ -52,8 +52,8 @@ class KernelConfig:
 
 
 def default_config(rule: object) -> KernelConfig:
-    """The launch shape measured fastest on an H200 (BENCHMARKS.md, ninth session; [131072, 7168],
-    multiplier): one warp on 4 rows, one block per thread per step, the next step prefetched, for
+    """The launch shape measured fastest on an H200 ([131072, 7168], multiplier; the sweep is
+    ``benchmarks/bench_requant_gpu.py`` without ``--skip-configs``): one warp on 4 rows, one block per thread per step, the next step prefetched, for
     every rule (EVEN 1,546 G weights/s, MSE 1,050; 2 warps on 8 rows 1,544 / 1,021, 4 warps on 16
     rows 857 / 933). The rule is kept as an argument: the sweep is per rule."""
     del rule
@@ -180,7 +180,7 @@ def requant_rows_into(
     )
 
 
-_REGS_PER_THREAD = 96  # a register count per thread for the occupancy estimate (the seventh session's kernel)
+_REGS_PER_THREAD = 96  # a register count per thread for the occupancy estimate (an earlier kernel's; the current one uses fewer)
 
 
 @lru_cache(maxsize=8)
