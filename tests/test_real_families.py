@@ -177,33 +177,47 @@ def _check_kv_cache(r: Replica, cfg: dict[str, Any]) -> None:
         assert got == want, f"{layer}: KV cache {got}, source {r.kv_cache}"
 
 
-def _check_bytes(r: Replica, target: str, out: Path) -> None:
-    """(d) non-FP4 tensors byte-identical (under the target's documented renames); MXFP4 sources'
-    FP4 codes and scales bit-exact."""
-    src, dst = raw_tensors(r.path), raw_tensors(out)
-    fp4 = set(r.fp4_modules())
+def _carried_name(r: Replica, target: str, name: str) -> str | None:
+    """The output name of a source tensor that must arrive unchanged; None for an FP4 module's own tensors."""
+    module, _, suffix = name.rpartition(".")
+    if r.modules.get(module) in FP4 and suffix != "bias":
+        return None
     renames = r.renames.get(target, {})
+    return f"{module}.{renames[suffix]}" if suffix in renames and r.modules.get(module) == "fp8-block" else name
+
+
+def _check_bytes(r: Replica, target: str, out: Path) -> None:
+    """(d) non-FP4 tensors byte-identical (under the target's documented renames), nothing else in
+    the output but each FP4 module's MXFP4 pair; MXFP4 sources' FP4 codes and scales bit-exact."""
+    src, dst = raw_tensors(r.path), raw_tensors(out)
+    fp4 = r.fp4_modules()
     problems = []
-    for name, (dtype, shape, data) in src.items():
-        module, _, suffix = name.rpartition(".")
-        if module in fp4 and suffix != "bias":
+    carried = set()
+    for name, entry in src.items():
+        out_name = _carried_name(r, target, name)
+        if out_name is None:
             continue
-        out_name = f"{module}.{renames[suffix]}" if suffix in renames and r.modules.get(module) == "fp8-block" else name
+        carried.add(out_name)
         got = dst.get(out_name)
         if got is None:
             problems.append(f"{name}: missing from the output (as {out_name})")
-        elif got != (dtype, shape, data):
-            problems.append(f"{name} -> {out_name}: {got[0]}{got[1]} differs from {dtype}{shape}")
-    if r.source_quant() == "mxfp4" and target != "marlin":  # Marlin repacks; verify re-encodes those
+        elif got != entry:
+            problems.append(f"{name} -> {out_name}: {got[0]}{got[1]} differs from {entry[0]}{entry[1]}")
+    if target != "marlin":  # Marlin repacks FP4 tensors under its own names; verify re-encodes those
         packed_out = "weight_packed" if target == "ct" else "weight"
-        for module in fp4:
-            packed_src = "weight_packed" if f"{module}.weight_packed" in src else "weight"
-            for s_name, o_name in ((f"{module}.{packed_src}", f"{module}.{packed_out}"),
-                                   (f"{module}.weight_scale", f"{module}.weight_scale")):
-                got = dst.get(o_name)
-                if got is None or got[2] != src[s_name][2]:
-                    problems.append(f"{s_name} -> {o_name}: FP4 bytes not bit-exact")
-    assert not problems, f"{len(problems)} tensors changed, e.g.:\n" + "\n".join(problems[:12])
+        fp4_out = {f"{m}.{s}" for m in fp4 for s in (packed_out, "weight_scale")}
+        problems += [f"{n}: in the output but neither carried nor an MXFP4 tensor of an FP4 module"
+                     for n in sorted(set(dst) - fp4_out - carried)]
+        problems += [f"{n}: MXFP4 tensor missing" for n in sorted(fp4_out - set(dst))]
+        if r.source_quant() == "mxfp4":
+            for module in fp4:
+                packed_src = "weight_packed" if f"{module}.weight_packed" in src else "weight"
+                for s_name, o_name in ((f"{module}.{packed_src}", f"{module}.{packed_out}"),
+                                       (f"{module}.weight_scale", f"{module}.weight_scale")):
+                    got = dst.get(o_name)
+                    if got is not None and got[2] != src[s_name][2]:
+                        problems.append(f"{s_name} -> {o_name}: FP4 bytes not bit-exact")
+    assert not problems, f"{len(problems)} tensors differ, e.g.:\n" + "\n".join(problems[:12])
 
 
 # the families that converted before FP8 support keep converting -----------------------------------
