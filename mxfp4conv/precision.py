@@ -29,6 +29,7 @@ __all__ = [
     "Precision",
     "PrecisionModel",
     "build_precision",
+    "expert_container",
     "fnmatch_to_re",
     "matches",
     "runtime_pattern",
@@ -38,9 +39,10 @@ Precision = Literal["mxfp4", "nvfp4", "fp8-tensor", "fp8-block", "bf16"]
 FP8_BLOCK = (128, 128)
 # Embedding tables hold 2-D ``.weight`` tensors but are not Linear layers (only the last name part counts:
 # ``vision_model.patch_embedding.linear`` IS a Linear).
-EMBEDDINGS = frozenset({"embed_tokens", "embed", "wte", "wpe", "tok_embeddings", "word_embeddings",
-                        "embeddings", "position_embeddings", "token_embedding", "position_embedding"})
+EMBEDDINGS = frozenset({"embed_tokens", "embed", "wte", "wpe", "tok_embeddings", "word_embeddings", "embeddings",
+                        "position_embeddings", "token_embedding", "position_embedding", "pos_embed"})
 _FP8_SCALES = ("weight_scale_inv", "weight_scale", "scale")
+_EXPERT_PROJ = re.compile(r"^(?P<container>.+\.experts)\.\d+\.[^.]+$")
 
 
 @dataclass(frozen=True)
@@ -85,9 +87,19 @@ class PrecisionModel:
     inferred: bool = False  # the layout was inferred from tensors: the source has no quantization config
 
     def counts(self, fp4_experts: int, fp4_dense: int) -> dict[str, int]:
+        """Linear modules per precision; FP4 counts include FP4 modules the layout does not convert."""
         kinds = [f.kind for f in self.fp8.values()]
+        foreign_experts = sum(1 for m in self.foreign_fp4 if expert_container(m))
+        fp4_experts += foreign_experts
+        fp4_dense += len(self.foreign_fp4) - foreign_experts
         return {"fp4_experts": fp4_experts, "fp4_dense": fp4_dense, "fp8_tensor": kinds.count("fp8-tensor"),
                 "fp8_block": kinds.count("fp8-block"), "bf16": len(self.bf16)}
+
+
+def expert_container(module: str) -> str | None:
+    """``model.layers.3.mlp.experts`` for ``model.layers.3.mlp.experts.0.gate_proj``; None for other modules."""
+    m = _EXPERT_PROJ.match(module)
+    return m["container"] if m else None
 
 
 def fnmatch_to_re(pattern: str, *, children: bool = False) -> str:
@@ -113,16 +125,18 @@ def matches(pattern: str, name: str) -> bool:
 _LAYER = re.compile(r"^(?P<head>(?:.*\.)?layers\.)(?P<idx>\d+)\.(?P<rest>.+)$")
 
 
-def runtime_pattern(module: str, num_layers: int) -> str:
+def runtime_pattern(module: str, num_layers: int, *, children: bool = False) -> str:
     """How an output config names ``module`` so the runtime's name still matches it.
 
     Layers past ``num_hidden_layers`` are multi-token-prediction layers, whose decoder block vLLM loads as
     ``layers.N.mtp_block.*`` (deepseek_mtp.py, glm4_moe_mtp.py): they get a pattern that accepts both names.
+    ``children``: the module and everything under it (a MoE experts container and its projections).
     """
     m = _LAYER.match(module)
+    tail = r"(\..*)?$" if children else "$"
     if not m or not num_layers or int(m["idx"]) < num_layers:
-        return module
-    return "re:" + re.escape(f"{m['head']}{m['idx']}.") + r"(mtp_block\.)?" + re.escape(m["rest"]) + "$"
+        return "re:" + re.escape(module) + tail if children else module
+    return "re:" + re.escape(f"{m['head']}{m['idx']}.") + r"(mtp_block\.)?" + re.escape(m["rest"]) + tail
 
 
 def _scale_kind(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> Literal["fp8-tensor", "fp8-block"] | None:

@@ -40,6 +40,10 @@ def quant_info(ckpt: Checkpoint) -> tuple[dict[str, Any], list[str]]:
         info.update(q)
         if "ignore" in q and "exclude_modules" not in info:
             info["exclude_modules"] = q["ignore"]
+    elif isinstance(q, dict) and q.get("quant_method") == "fp8" and str(q.get("moe_quant_algo", "")).upper() == "NVFP4":
+        # DeepSeek-V4 NVFP4: the FP8 config of the other Linears, NVFP4 routed experts (vLLM deepseek_v4 quant_config)
+        ev.append("config.json quantization_config.moe_quant_algo = NVFP4")
+        info["quant_algo"] = "NVFP4"
     hq = ckpt.hf_quant_config
     if isinstance(hq, dict) and isinstance(hq.get("quantization"), dict):
         ev.append("hf_quant_config.json quantization.quant_algo = " + str(hq["quantization"].get("quant_algo")))

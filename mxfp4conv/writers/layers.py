@@ -8,12 +8,12 @@ scheme, and the reason a target cannot express a source at all (checked before a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-from mxfp4conv.precision import Fp8Linear, matches, runtime_pattern
+from mxfp4conv.precision import Fp8Linear, expert_container, matches, runtime_pattern
 from mxfp4conv.writers.base import WriterContext, split_names
 
-__all__ = ["fp8_groups", "precision_refusal", "unquantized_entries"]
+__all__ = ["attention_layers", "fp8_groups", "precision_refusal", "unquantized_entries"]
 
 
 def _fp8_label(lin: Fp8Linear) -> str:
@@ -28,9 +28,6 @@ def precision_refusal(ctx: WriterContext, target: str, *, fp8_block: bool, e8m0_
     ``e8m0_block``: block scales stored as E8M0 (DeepSeek-V4) load as they are.
     """
     p = ctx.precision
-    if p.foreign_fp4:
-        return (f"{p.foreign_fp4[0]}: FP4 weights in a naming the {ctx.layout} layout does not convert "
-                "(they cannot be carried as unquantized)")
     for lin in p.fp8.values():
         if not fp8:
             return f"{lin.module}: {_fp8_label(lin)} has no {target} scheme (the layout holds FP4 and BF16 only)"
@@ -39,27 +36,46 @@ def precision_refusal(ctx: WriterContext, target: str, *, fp8_block: bool, e8m0_
         if lin.scale_dtype == "F8_E8M0" and not e8m0_block:
             return (f"{lin.module}: FP8 with E8M0 block scales ({lin.scale}) has no {target} scheme; "
                     "serve this checkpoint in its own layout")
+    if p.foreign_fp4:
+        return (f"{p.foreign_fp4[0]}: FP4 weights in a naming the {ctx.layout} layout does not convert "
+                "(they cannot be carried as unquantized)")
     return None
 
 
-def unquantized_entries(ctx: WriterContext) -> list[str]:
+def unquantized_entries(ctx: WriterContext, *, keep_matching: Iterable[str] = ()) -> list[str]:
     """Exact names and ``re:`` patterns that leave exactly the unquantized Linears unquantized.
 
     The source's own exclusions come first, as patterns (a wildcard stays a wildcard, so the runtime's
     renamed MTP modules still match); then every unquantized Linear they do not cover, by exact name (or by
     a pattern that also accepts the runtime's MTP name). A source pattern that would also cover an FP4 or
-    FP8 module is dropped for its exact names: it would mis-declare that module.
+    FP8 module, or a name in ``keep_matching`` (layers the entries must not reach, such as the Attention
+    layers of an FP8 KV cache in Quark), is dropped for its exact names: it would mis-declare that layer.
     """
     p = ctx.precision
     n = ctx.facts.num_layers
-    quantized = [u.key for u in ctx.units if u.kind == "dense"] + list(p.fp8)
+    quantized = [u.key for u in ctx.units if u.kind == "dense"] + list(p.fp8) + list(keep_matching)
     for u in ctx.units:  # the runtime checks expert 0's projections of a MoE layer (vLLM get_moe_method)
         if u.kind == "moe":
             quantized += [f"{u.key}.0.{proj}" for proj in {*split_names(ctx), *ctx.facts.expert_names}]
     keep = [pat for pat in p.unquantized_patterns if not any(matches(pat, m) for m in quantized)]
     covered: Callable[[str], bool] = lambda m: any(matches(pat, m) for pat in keep)  # noqa: E731
     names = [m for m in p.bf16 if not covered(m)]
-    return keep + [runtime_pattern(m, n) for m in names]
+    # Unquantized routed experts (an MTP layer kept BF16): one entry for the container and its projections,
+    # since vLLM asks about the FusedMoE layer itself (Quark) or about expert 0's projections (compressed-tensors).
+    fp4_moe = {u.key for u in ctx.units if u.kind == "moe"}
+    containers = sorted({c for m in names if (c := expert_container(m)) and c not in fp4_moe
+                         and not any(f.startswith(c + ".") for f in p.fp8)})
+    names = [m for m in names if expert_container(m) not in containers]
+    return keep + [runtime_pattern(c, n, children=True) for c in containers] + [runtime_pattern(m, n) for m in names]
+
+
+_ATTN_PROJ = ("k_proj", "v_proj", "o_proj", "kv_b_proj", "kv_a_proj_with_mqa", "qkv_proj", "wkv", "wo_a")
+
+
+def attention_layers(ctx: WriterContext) -> list[str]:
+    """vLLM's Attention layer names (``<attention module>.attn``), derived from the attention projections."""
+    mods = [*ctx.precision.bf16, *ctx.precision.fp8, *(u.key for u in ctx.units if u.kind == "dense")]
+    return sorted({m.rsplit(".", 1)[0] + ".attn" for m in mods if m.rsplit(".", 1)[-1] in _ATTN_PROJ})
 
 
 def fp8_groups(ctx: WriterContext) -> dict[tuple[str, bool], list[str]]:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 from mxfp4conv.canonical import Canonical, FP4Weight, MoELayer, UnitSpec
 from mxfp4conv.layouts.gpt_oss import deinterleave_rows, interleave_rows
 from mxfp4conv.writers.base import Getter, OutTensor, SplitTarget, WriterContext
-from mxfp4conv.writers.layers import precision_refusal, unquantized_entries
+from mxfp4conv.writers.layers import attention_layers, precision_refusal, unquantized_entries
 
 QUARK_VERSION = "0.10"
 # vLLM's Quark loader takes the KV-cache scheme from the layer_quant_config entries these patterns match
@@ -56,7 +56,8 @@ def quantization_config(ctx: WriterContext) -> dict[str, Any]:
         "global_quant_config": _layer(weight, acts),
         "layer_quant_config": layers,
         "layer_type_quant_config": {},
-        "exclude": unquantized_entries(ctx),
+        # vLLM's Quark loader asks `exclude` about Attention layers too: an excluded one loses its FP8 KV cache
+        "exclude": unquantized_entries(ctx, keep_matching=attention_layers(ctx) if kv_group else ()),
         "export": {"weight_format": "real_quantized", "pack_method": "reorder", "kv_cache_group": kv_group,
                    "min_kv_scale": 0.0, "weight_merge_groups": None},
         "algo_config": None,
