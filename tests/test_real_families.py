@@ -177,10 +177,15 @@ def _check_kv_cache(r: Replica, cfg: dict[str, Any]) -> None:
         assert got == want, f"{layer}: KV cache {got}, source {r.kv_cache}"
 
 
+FP4_OWN = frozenset({"weight", "weight_packed", "weight_scale", "weight_scale_2", "weight_global_scale", "scale",
+                     "input_scale", "input_scale_2", "input_global_scale"})
+
+
 def _carried_name(r: Replica, target: str, name: str) -> str | None:
-    """The output name of a source tensor that must arrive unchanged; None for an FP4 module's own tensors."""
+    """The output name of a source tensor that must arrive unchanged; None for an FP4 module's own
+    tensors (a KV-cache scale stored under an FP4 ``k_proj`` is not one of them)."""
     module, _, suffix = name.rpartition(".")
-    if r.modules.get(module) in FP4 and suffix != "bias":
+    if r.modules.get(module) in FP4 and suffix in FP4_OWN:
         return None
     renames = r.renames.get(target, {})
     return f"{module}.{renames[suffix]}" if suffix in renames and r.modules.get(module) == "fp8-block" else name

@@ -27,6 +27,7 @@ BUILDERS: dict[str, Callable[[Path], Replica]] = {
     "quark-mxfp4-deepseek-r1": deepseek.quark_mxfp4_r1,
     "quark-nvfp4-deepseek-r1": deepseek.quark_nvfp4_r1,
     "autoround-mxfp4-qwen3-moe": ct_families.autoround_mxfp4,
+    "modelopt-nvfp4-qwen3-moe": ct_families.modelopt_nvfp4_qwen3,
 }
 
 # The NVFP4 + BF16 compressed-tensors families the converter already handled before FP8 support.

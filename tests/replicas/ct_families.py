@@ -1,6 +1,7 @@
 """compressed-tensors NVFP4 replicas as llm-compressor writes them (Qwen3-Next, Qwen3-VL-MoE,
-Llama-4, GLM-4.5: experts linearized to ``experts.E.{gate,up,down}_proj``), and an AutoRound
-``auto_round:llm_compressor`` MXFP4 Qwen3-MoE (the same tensors as compressed-tensors MXFP4)."""
+Llama-4, GLM-4.5: experts linearized to ``experts.E.{gate,up,down}_proj``), an AutoRound
+``auto_round:llm_compressor`` MXFP4 Qwen3-MoE (the same tensors as compressed-tensors MXFP4), and a
+ModelOpt NVFP4 Qwen3-MoE whose attention is NVFP4 too, with an FP8 KV cache."""
 
 from __future__ import annotations
 
@@ -323,12 +324,7 @@ def autoround_mxfp4(root: Path) -> Replica:
         s.bf16(f"{p}.mlp.gate", EXPERTS, H)
         extra[f"{p}.mlp.gate"] = {"bits": 16, "data_type": "float"}
         _experts(s, f"{p}.mlp.experts", s.mxfp4_ct)
-    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": H,
-           "intermediate_size": DENSE_I, "moe_intermediate_size": MOE_I, "num_experts": EXPERTS,
-           "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-           "head_dim": HEAD_DIM, "vocab_size": VOCAB, "rms_norm_eps": 1e-6, "max_position_embeddings": 512,
-           "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True, "tie_word_embeddings": False,
-           "rope_theta": 10000.0, "hidden_act": "silu", "torch_dtype": "bfloat16",
+    cfg = {**_qwen3_moe_config(),
            "quantization_config": {
                "quant_method": "auto-round", "packing_format": "auto_round:llm_compressor", "data_type": "mx_fp",
                "bits": 4, "group_size": 32, "sym": True, "act_bits": 16, "act_data_type": "float",
@@ -338,3 +334,50 @@ def autoround_mxfp4(root: Path) -> Replica:
     return Replica(path=root, family="autoround-mxfp4-qwen3-moe", layout="ct-mxfp4", scheme="w4a16",
                    modules=dict(s.modules), runtime_names=_runtime(QKV, {}), kv_cache=None,
                    expected_targets=ALL_CONVERT, fused={"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
+
+
+def _qwen3_moe_config() -> dict[str, Any]:
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": H,
+            "intermediate_size": DENSE_I, "moe_intermediate_size": MOE_I, "num_experts": EXPERTS,
+            "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": HEAD_DIM, "vocab_size": VOCAB, "rms_norm_eps": 1e-6, "max_position_embeddings": 512,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True, "tie_word_embeddings": False,
+            "rope_theta": 10000.0, "hidden_act": "silu", "torch_dtype": "bfloat16"}
+
+
+def modelopt_nvfp4_qwen3(root: Path) -> Replica:
+    """ModelOpt NVFP4 (W4A4) Qwen3-MoE as NVIDIA's Qwen3 FP4 releases: every Linear but the routers
+    and lm_head NVFP4 (attention included), FP8 KV cache with ``self_attn.{k,v}_proj.{k,v}_scale``
+    beside the FP4 k_proj / v_proj tensors; config.json's quantization_config and hf_quant_config.json."""
+    root.mkdir(parents=True)
+    s = Sink(83)
+
+    def fp4(name: str, n: int, k: int) -> None:
+        s.nvfp4_modelopt(name, n, k)
+
+    s.embedding("model.embed_tokens", VOCAB, H)
+    s.norm("model.norm", H)
+    s.bf16("lm_head", VOCAB, H)
+    for n in range(2):
+        p = f"model.layers.{n}"
+        s.norm(f"{p}.input_layernorm", H)
+        s.norm(f"{p}.post_attention_layernorm", H)
+        _attn(s, f"{p}.self_attn", fp4)
+        for kv in ("k", "v"):
+            s.put(f"{p}.self_attn.{kv}_proj.{kv}_scale", torch.tensor(0.03 + 0.01 * n, dtype=torch.float32))
+        s.bf16(f"{p}.mlp.gate", EXPERTS, H)
+        _experts(s, f"{p}.mlp.experts", fp4)
+    exclude = ["lm_head", "model.layers.*.mlp.gate"]
+    producer = {"name": "modelopt", "version": "0.37.0"}
+    four = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+    cfg = {**_qwen3_moe_config(), "quantization_config": {
+        "config_groups": {"group_0": {"input_activations": four, "weights": four, "targets": ["Linear"]}},
+        "ignore": exclude, "quant_algo": "NVFP4", "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"},
+        "producer": producer, "quant_method": "modelopt"}}
+    write_json(root / "hf_quant_config.json", {"producer": producer, "quantization": {
+        "quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16, "exclude_modules": exclude}})
+    _finish(root, s, cfg)
+    return Replica(path=root, family="modelopt-nvfp4-qwen3-moe", layout="modelopt-nvfp4", scheme="w4a4",
+                   modules=dict(s.modules), runtime_names=_runtime(QKV, {}), kv_cache="fp8",
+                   expected_targets=ALL_CONVERT, fused={"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
+                   attention_layers=[f"model.layers.{n}.self_attn.attn" for n in range(2)])
