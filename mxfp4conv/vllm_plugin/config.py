@@ -30,6 +30,7 @@ class MarlinReadyConfig(QuantizationConfig):
         super().__init__()
         self.marker = marker
         self.base = base
+        self.model_path: Path | None = None
         self.shards: RankShards | None = None
         self.rename: Any = None  # the model's hf -> vLLM rename mapper (WeightsMapper)
         self._checked = False
@@ -71,7 +72,7 @@ class MarlinReadyConfig(QuantizationConfig):
         folder = Path(model_name)
         if not folder.is_dir():
             raise MarlinReadyMismatch(f"{model_name}: Marlin-ready shards are served from a local rank-N folder")
-        self.shards = read_rank_folder(folder)
+        self.model_path = folder
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper: Any) -> None:
         self.rename = hf_to_vllm_mapper
@@ -121,8 +122,11 @@ class MarlinReadyConfig(QuantizationConfig):
         return name, 0
 
     def require_shards(self) -> RankShards:
+        """This TP rank's shards: ``vllm serve DST/rank-0`` makes rank r read ``DST/rank-r``."""
         if self.shards is None:
-            raise MarlinReadyMismatch("the Marlin-ready shards were not read (vLLM did not call maybe_update_config)")
+            if self.model_path is None:
+                raise MarlinReadyMismatch("the Marlin-ready shards were not found (vLLM did not call maybe_update_config)")
+            self.shards = read_rank_folder(rank_folder(self.model_path, current_server().tp_rank))
         return self.shards
 
     def check_once(self) -> RankShards:
@@ -132,6 +136,15 @@ class MarlinReadyConfig(QuantizationConfig):
                 raise MarlinReadyMismatch(why)
             self._checked = True
         return shards
+
+
+def rank_folder(served: Path, tp_rank: int) -> Path:
+    """The sibling ``rank-<tp_rank>`` of a served ``rank-N`` folder when there is one, else the folder itself."""
+    if served.name.startswith("rank-") and served.name[5:].isdigit():
+        sibling = served.parent / f"rank-{tp_rank}"
+        if sibling.is_dir():
+            return sibling
+    return served
 
 
 def current_server() -> Server:

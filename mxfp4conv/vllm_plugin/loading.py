@@ -10,6 +10,7 @@ read and every other tensor goes on to the model's ``load_weights`` unchanged.
 from __future__ import annotations
 
 from collections.abc import Generator, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,19 +21,23 @@ from mxfp4conv.vllm_plugin.shards import MarlinReadyMismatch
 _MARK = "_mxfp4conv_marlin_ready"
 
 
-def plugin_slots(model: torch.nn.Module) -> tuple[dict[str, Slot], set[str]]:
-    """Checkpoint name -> slot of every Marlin-ready parameter of ``model``, and every Marlin tensor name."""
+def plugin_slots(model: torch.nn.Module) -> tuple[dict[str, Slot], set[str], Path | None]:
+    """Checkpoint name -> slot of every Marlin-ready parameter of ``model``, every Marlin tensor name, and the
+    rank folder they come from."""
     from mxfp4conv.vllm_plugin.linear import MarlinReadyLinearMethod
     from mxfp4conv.vllm_plugin.moe import MarlinReadyMoEMethod
 
     slots: dict[str, Slot] = {}
     names: set[str] = set()
+    folder = None
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if isinstance(method, MarlinReadyMoEMethod | MarlinReadyLinearMethod):
             slots.update(method.targets(module))
-            names |= method.cfg.require_shards().marlin_names()
-    return slots, names
+            shards = method.cfg.require_shards()
+            names |= shards.marlin_names()
+            folder = shards.folder
+    return slots, names, folder
 
 
 def route(weights: Iterable[tuple[str, torch.Tensor]], slots: dict[str, Slot], names: set[str]
@@ -59,11 +64,16 @@ def install() -> None:
 
     def get_all_weights(self: Any, model_config: Any, model: torch.nn.Module
                         ) -> Generator[tuple[str, torch.Tensor], None, None]:
-        slots, names = plugin_slots(model)
-        weights = original(self, model_config, model)
+        slots, names, folder = plugin_slots(model)
         if not slots:
-            yield from weights
+            yield from original(self, model_config, model)
             return
+        if folder is not None and folder.resolve() != Path(model_config.model).resolve():
+            # a TP rank other than the served folder's: every tensor comes from this rank's own folder
+            source = DefaultModelLoader.Source(str(folder), None, prefix="", fall_back_to_pt=False)
+            weights = self._get_weights_iterator(source)
+        else:
+            weights = original(self, model_config, model)
         yield from route(weights, slots, names)
 
     setattr(get_all_weights, _MARK, True)

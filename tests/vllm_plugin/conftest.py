@@ -1,10 +1,11 @@
-"""Tiny Marlin-ready outputs for the plugin tests, made by the CLI from examples/tiny.py checkpoints."""
+"""Tiny Marlin-ready outputs for the plugin tests, made by the CLI from examples/tiny.py checkpoints (once per session)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from tiny import build, quant_mxfp4
@@ -44,3 +45,13 @@ def convert(src: Path, dst: Path, *extra: str) -> Path:
     if res.exit_code != 0:
         raise RuntimeError(f"convert {src.name} {' '.join(extra)}: {res.stderr}")
     return dst
+
+
+@pytest.fixture(scope="session")
+def marlin_outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    r = tmp_path_factory.mktemp("marlin_ready")
+    q3, go, nv = qwen3_fp4_attention(r / "q3src"), gpt_oss_padded(r / "gosrc"), qwen3_nvfp4(r / "nvsrc")
+    return {"q3src": q3, "gosrc": go, "nvsrc": nv, "root": r,
+            "q3tp1": convert(q3, r / "q3tp1"), "q3tp2": convert(q3, r / "q3tp2", "--tp-size", "2"),
+            "gotp1": convert(go, r / "gotp1"), "gotp2": convert(go, r / "gotp2", "--tp-size", "2"),
+            "nv": convert(nv, r / "nv", "--keep-nvfp4"), "gosgl": convert(go, r / "gosgl", "--engine", "sglang")}

@@ -13,15 +13,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from safetensors.torch import load_file, save_file
-
-sys.path.insert(0, str(Path(__file__).parent))
-from fixtures import convert, gpt_oss_padded, qwen3_fp4_attention, qwen3_nvfp4
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,24 +48,21 @@ def with_metadata(rank_dir: Path, dst: Path, **changes: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def results(marlin_outputs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     py = vllm_python()
     r = tmp_path_factory.mktemp("vllm_plugin")
-    q3_1 = convert(qwen3_fp4_attention(r / "q3src"), r / "q3tp1")
-    q3_2 = convert(r / "q3src", r / "q3tp2", "--tp-size", "2")
-    go_1 = convert(gpt_oss_padded(r / "gosrc"), r / "gotp1")
-    go_2 = convert(r / "gosrc", r / "gotp2", "--tp-size", "2")
-    nv = convert(qwen3_nvfp4(r / "nvsrc"), r / "nv", "--keep-nvfp4")
-    go_sgl = convert(r / "gosrc", r / "gosgl", "--engine", "sglang")
+    o = marlin_outputs
+    q3_1, q3_2, go_1, go_2, nv, go_sgl = o["q3tp1"], o["q3tp2"], o["gotp1"], o["gotp2"], o["nv"], o["gosgl"]
     v1 = with_metadata(q3_1 / "rank-0", r / "layout_v1", marlin_layout="v1")
+    misplaced = shutil.copytree(q3_2 / "rank-1", r / "misplaced" / "rank-0")  # rank 1's shards in a rank-0 folder
     cases: dict[str, dict[str, Any]] = {
         "qwen3_tp1": {"rank_dir": q3_1 / "rank-0"},
-        "qwen3_tp2_rank1": {"rank_dir": q3_2 / "rank-1", "tp_size": 2, "tp_rank": 1},
+        "qwen3_tp2_rank1": {"rank_dir": q3_2 / "rank-0", "tp_size": 2, "tp_rank": 1},  # vllm serve DST/rank-0
         "gptoss_tp1": {"rank_dir": go_1 / "rank-0"},
-        "gptoss_tp2_rank1": {"rank_dir": go_2 / "rank-1", "tp_size": 2, "tp_rank": 1},
+        "gptoss_tp2_rank1": {"rank_dir": go_2 / "rank-0", "tp_size": 2, "tp_rank": 1},
         "nvfp4_kept": {"rank_dir": nv / "rank-0"},
         "wrong_tp_size": {"rank_dir": q3_2 / "rank-1"},
-        "wrong_tp_rank": {"rank_dir": q3_2 / "rank-1", "tp_size": 2, "tp_rank": 0},
+        "wrong_tp_rank": {"rank_dir": misplaced, "tp_size": 2, "tp_rank": 0},
         "wrong_engine": {"rank_dir": go_sgl / "rank-0"},
         "wrong_layout": {"rank_dir": v1},
         "wrong_dtype": {"rank_dir": q3_1 / "rank-0", "engine_args": {"dtype": "float16"}},
@@ -89,17 +82,18 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
     return dict(zip(cases, out, strict=True))
 
 
-@pytest.mark.parametrize(("case", "slots", "methods"), [
-    ("qwen3_tp1", 24, {"MarlinReadyMoEMethod", "MarlinReadyLinearMethod"}),  # 2 layers: experts + q/k/v/o
-    ("qwen3_tp2_rank1", 24, {"MarlinReadyMoEMethod", "MarlinReadyLinearMethod"}),
-    ("gptoss_tp1", 12, {"MarlinReadyMoEMethod"}),  # 2 layers x 4 weights/scales + 2 biases
-    ("gptoss_tp2_rank1", 12, {"MarlinReadyMoEMethod"}),
-    ("nvfp4_kept", 6, {"MarlinReadyMoEMethod"}),  # + w13/w2_weight_scale_2
+@pytest.mark.parametrize(("case", "folder", "slots", "methods"), [
+    ("qwen3_tp1", "q3tp1/rank-0", 24, {"MarlinReadyMoEMethod", "MarlinReadyLinearMethod"}),  # experts + q/k/v/o
+    ("qwen3_tp2_rank1", "q3tp2/rank-1", 24, {"MarlinReadyMoEMethod", "MarlinReadyLinearMethod"}),
+    ("gptoss_tp1", "gotp1/rank-0", 12, {"MarlinReadyMoEMethod"}),  # 2 layers x 4 weights/scales + 2 biases
+    ("gptoss_tp2_rank1", "gotp2/rank-1", 12, {"MarlinReadyMoEMethod"}),
+    ("nvfp4_kept", "nv/rank-0", 6, {"MarlinReadyMoEMethod"}),  # + w13/w2_weight_scale_2
 ])
-def test_loads_shard_bytes_without_repack(results: dict[str, dict[str, Any]], case: str, slots: int,
+def test_loads_shard_bytes_without_repack(results: dict[str, dict[str, Any]], case: str, folder: str, slots: int,
                                           methods: set[str]) -> None:
     res = results[case]
     assert "error" not in res, res.get("traceback")
+    assert res["folder"].endswith(folder)  # served as DST/rank-0, TP rank 1 reads DST/rank-1
     assert res["slots"] == res["marlin_tensors"] == res["compared"] == slots
     assert res["differ"] == [] and res["not_loaded"] == []
     assert methods <= set(res["methods"])

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-
-sys.path.insert(0, str(Path(__file__).parent))
-from fixtures import ATTN, convert, gpt_oss_padded, qwen3_fp4_attention, qwen3_nvfp4
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -28,10 +25,11 @@ FLOAT4_E2M1F_ID = 562949953487106  # vllm.scalar_type.scalar_types.float4_e2m1f.
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 BLOCK = 16
 REPORT: dict[str, float] = {}
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def moe_c() -> None:
+def moe_c() -> Iterator[None]:
     lib = os.environ.get("MXFP4CONV_VLLM_MOE_C")
     if not lib or not Path(lib).exists():
         pytest.skip("set MXFP4CONV_VLLM_MOE_C to vLLM 0.33's _moe_C_stable_libtorch.abi3.so")
@@ -110,15 +108,8 @@ def check(name: str, x: torch.Tensor, marlin: dict[str, torch.Tensor], prefix: s
 
 
 @pytest.fixture(scope="module")
-def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    r = tmp_path_factory.mktemp("gpu")
-    q3 = qwen3_fp4_attention(r / "q3src")
-    go = gpt_oss_padded(r / "gosrc")
-    nv = qwen3_nvfp4(r / "nvsrc")
-    return {"q3src": q3, "gosrc": go, "nvsrc": nv,
-            "q3tp1": convert(q3, r / "q3tp1"), "q3tp2": convert(q3, r / "q3tp2", "--tp-size", "2"),
-            "gotp1": convert(go, r / "gotp1"), "gotp2": convert(go, r / "gotp2", "--tp-size", "2"),
-            "nv": convert(nv, r / "nv", "--keep-nvfp4")}
+def outputs(marlin_outputs: dict[str, Path]) -> dict[str, Path]:
+    return marlin_outputs
 
 
 def shards(folder: Path) -> dict[str, torch.Tensor]:

@@ -83,7 +83,7 @@ def build(rank_dir: str, tp_size: int, tp_rank: int, engine_args: dict[str, obje
                                             distributed_init_method=f"tcp://127.0.0.1:{free_port()}", backend="gloo")
             ps.ensure_model_parallel_initialized(1, 1)
         real = getattr(ps._TP, "_real", ps._TP)
-        ps._TP = FakeTP(real, tp_size, tp_rank) if tp_size > 1 else real  # type: ignore[assignment]
+        ps._TP = FakeTP(real, tp_size, tp_rank) if tp_size > 1 else real
         vllm_config.parallel_config.tensor_parallel_size = tp_size
         loader = get_model_loader(vllm_config.load_config)
         with set_default_torch_dtype(torch.bfloat16), torch.device("cpu"):
@@ -92,15 +92,16 @@ def build(rank_dir: str, tp_size: int, tp_rank: int, engine_args: dict[str, obje
     return model, vllm_config
 
 
-def compare(model: object, rank_dir: str) -> dict[str, object]:
+def compare(model: object) -> dict[str, object]:
     import torch
     from safetensors import safe_open
 
     from mxfp4conv.vllm_plugin.loading import plugin_slots
 
-    slots, names = plugin_slots(model)  # type: ignore[arg-type]
+    slots, names, folder = plugin_slots(model)  # type: ignore[arg-type]
+    rank_dir = str(folder)
     params = dict(model.named_parameters())  # type: ignore[attr-defined]
-    out: dict[str, object] = {"slots": len(slots), "marlin_tensors": len(names), "compared": 0, "differ": [],
+    out: dict[str, object] = {"folder": rank_dir, "slots": len(slots), "marlin_tensors": len(names), "compared": 0, "differ": [],
                               "passthrough_equal": 0, "passthrough_differ": [],
                               "not_loaded": sorted(n for n, s in slots.items() if not s.loaded)}
     for f in sorted(Path(rank_dir).glob("*.safetensors")):
@@ -156,7 +157,7 @@ def run_case(case: dict[str, object]) -> dict[str, object]:
             from mxfp4conv.vllm_plugin import config
 
             config.register()
-    doc.update(compare(model, str(case["rank_dir"])))
+    doc.update(compare(model))
     doc["methods"] = sorted({type(m.quant_method).__name__ for m in model.modules()  # type: ignore[attr-defined]
                              if getattr(m, "quant_method", None) is not None})
     try:
