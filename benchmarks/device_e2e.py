@@ -3,7 +3,10 @@ byte-identity of the output across CPU, one GPU and every GPU.
 
     PYTHONPATH=. python3 benchmarks/device_e2e.py OUT_DIR [--layers 12]
 
-One JSON line per case (also written to OUT_DIR/device_e2e.jsonl).
+Each round times `cp -r` + `sync` of the source, then the default command
+(`mxfp4conv convert SRC DST --to ct --device cuda`, which verifies) and the same with `--no-verify`,
+each in a fresh process with its peak RSS; every ratio is against the same round's copy. One JSON
+line per case (also written to OUT_DIR/device_e2e.jsonl), then the medians over the rounds.
 """
 
 from __future__ import annotations
@@ -40,15 +43,36 @@ def tree(root: Path) -> dict[str, str]:
 STAGES: dict[str, dict[str, float]] = {}
 
 
+RSS: dict[str, int] = {}  # peak RSS (bytes) of the last conversion into each destination name
+_TIMED = ("import json,resource,subprocess,sys,time;t=time.perf_counter();"
+          "r=subprocess.run(sys.argv[1:],stdout=subprocess.PIPE,text=True);w=time.perf_counter()-t;"
+          "print(json.dumps([w,resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,r.returncode,r.stdout]))")
+
+
 def conv(src: Path, dst: Path, *flags: str, env: dict[str, str] | None = None) -> float:
-    """Wall seconds of one CLI conversion; its --json per-stage seconds go to STAGES[dst.name]."""
-    t = time.perf_counter()
-    out = subprocess.run([PY, "-m", "mxfp4conv", "convert", str(src), str(dst), "--to", "ct", "--json", *flags],
-                         check=True, capture_output=True, text=True,
-                         env={**os.environ, **(env or {})}).stdout
-    wall = time.perf_counter() - t
+    """Wall seconds of one CLI conversion, timed inside a wrapper process of its own (so its peak RSS,
+    RSS[dst.name], is this conversion's alone); its --json per-stage seconds go to STAGES[dst.name]."""
+    res = subprocess.run([PY, "-c", _TIMED, PY, "-m", "mxfp4conv", "convert", str(src), str(dst), "--to", "ct", "--json",
+                          *flags], check=True, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    wall, rss_kib, rc, out = json.loads(res.stdout.strip().splitlines()[-1])
+    if rc:
+        raise SystemExit(f"convert failed ({rc}): {res.stderr[-2000:]}")
     STAGES[dst.name] = {k: round(v, 2) for k, v in json.loads(out).get("seconds", {}).items()}
-    return wall
+    RSS[dst.name] = rss_kib * 1024
+    return float(wall)
+
+
+def unit_budget(src: Path) -> tuple[int, int]:
+    """(the largest unit's bytes, source or output, whichever is larger; 1 GiB + 2x that)."""
+    from mxfp4conv.job import ConvertOptions, direct_slices, prepare
+
+    job = prepare(src, ConvertOptions(target="ct"))
+    largest = 0
+    for u in job.plan.units:
+        if direct_slices(u, job.ckpt, job.target, job.ctx) is None:
+            read = sum(job.ckpt.tensors[n].nbytes for n in u.sources if n in job.ckpt.tensors)
+            largest = max(largest, read, sum(o.nbytes for o in job.target.out_specs(u, job.ctx)))
+    return largest, (1 << 30) + 2 * largest
 
 
 def main() -> None:
@@ -60,7 +84,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/e2e"))
     ap.add_argument("--skip-identity", action="store_true", help="skip case 1 (tests/test_pipeline_gpu.py covers it)")
     ap.add_argument("--rounds", type=int, default=1, help="cp / convert pairs, alternating (each its own ratio)")
-    ap.add_argument("--skip-verify", action="store_true", help="do not time `mxfp4conv verify` afterwards")
+    ap.add_argument("--skip-verify", action="store_true", help="time only `--no-verify` conversions")
     ap.add_argument("--warmup", action="store_true",
                     help="convert a one-layer checkpoint on the GPU first (untimed): Triton's disk cache is warm for every size")
     ap.add_argument("--src", type=Path, help="convert this NVFP4 checkpoint (kept) instead of generating one")
@@ -161,25 +185,43 @@ def big(w: Path, layers: int, emit: Any, rounds: int = 1, verify: bool = True, s
     weights = layers * 128 * 3 * 2048 * 768
     startup = run([PY, "-c", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"])
     points: list[tuple[float, float, float]] = []
+    largest, budget = unit_budget(src)
     cases = [(r, h, z, v) for r in range(rounds) for h in (hashers or [""]) for z in (shard_sizes or [""])
              for v in (variants or [("default", {})])]
+    rows: list[dict[str, Any]] = []
     for r, hasher, shard, (variant, venv) in cases:
         shutil.rmtree(w / "cp", ignore_errors=True)
         shutil.rmtree(w / "out", ignore_errors=True)
         run(["sync"])
         t_cp = run(["cp", "-r", str(src), str(w / "cp")]) + run(["sync"])
-        t_conv = conv(src, w / "out", "--device", "cuda", "--no-verify", *(["--max-shard-size", shard] if shard else []),
-                      env={**venv, **({"MXFP4CONV_HASHER": hasher} if hasher else {})})
-        t_ver = run([PY, "-m", "mxfp4conv", "verify", str(src), str(w / "out"), "--device", "cuda", "--json"]) if verify else None
-        stages = STAGES.get("out", {})
-        emit(case="nvfp4 -> mxfp4 end to end, all GPUs", round=r + 1, variant=variant, env=venv, hasher=hasher or "default",
-             max_shard_size=shard or "default", shards=len(list((w / "out").glob("*.safetensors"))), layers=layers, gb=round(size / 1e9, 2),
-             gweights=round(weights / 1e9, 2), cp_s=round(t_cp, 2), convert_s=round(t_conv, 2),
-             throughput_vs_cp=round(t_cp / t_conv, 3), in_process_s=stages.get("total"),
-             in_process_vs_cp=round(t_cp / stages["total"], 3) if stages.get("total") else None,
-             python_torch_cuda_startup_s=round(startup, 2), gweights_per_s=round(weights / t_conv / 1e9, 3),
-             verify_s=round(t_ver, 2) if t_ver else None, stages=stages)
-        points.append((size / 1e9, t_cp, t_conv))
+        shutil.rmtree(w / "cp", ignore_errors=True)  # the disk holds the source, one copy and one output
+        env = {**venv, **({"MXFP4CONV_HASHER": hasher} if hasher else {})}
+        extra = ["--max-shard-size", shard] if shard else []
+        for mode, flags in (("default", []), ("no-verify", ["--no-verify"])) if verify else (("no-verify", ["--no-verify"]),):
+            shutil.rmtree(w / "out", ignore_errors=True)
+            run(["sync"])
+            t_conv = conv(src, w / "out", "--device", "cuda", *flags, *extra, env=env)
+            stages = STAGES.get("out", {})
+            row = {"round": r + 1, "command": mode, "cp_s": round(t_cp, 2), "convert_s": round(t_conv, 2),
+                   "throughput_vs_cp": round(t_cp / t_conv, 3), "peak_rss_gb": round(RSS["out"] / 1e9, 3),
+                   "rss_budget_gb": round(budget / 1e9, 3), "rss_within_budget": RSS["out"] <= budget}
+            rows.append(row)
+            emit(case="nvfp4 -> mxfp4 end to end, all GPUs", variant=variant, env=venv, hasher=hasher or "default",
+                 max_shard_size=shard or "default", shards=len(list((w / "out").glob("*.safetensors"))), layers=layers,
+                 gb=round(size / 1e9, 2), gweights=round(weights / 1e9, 2), **row, in_process_s=stages.get("total"),
+                 in_process_vs_cp=round(t_cp / stages["total"], 3) if stages.get("total") else None,
+                 python_torch_cuda_startup_s=round(startup, 2), gweights_per_s=round(weights / t_conv / 1e9, 3),
+                 largest_unit_gb=round(largest / 1e9, 3), stages=stages)
+            if mode == "no-verify":
+                points.append((size / 1e9, t_cp, t_conv))
+    for mode in ("default", "no-verify"):
+        mine = [x for x in rows if x["command"] == mode]
+        if mine:
+            ratios = sorted(x["throughput_vs_cp"] for x in mine)
+            emit(case=f"summary: {mode} convert vs cp -r + sync, median of the rounds", layers=layers, gb=round(size / 1e9, 2),
+                 rounds=len(mine), throughput_vs_cp=[x["throughput_vs_cp"] for x in mine], median=ratios[len(ratios) // 2],
+                 peak_rss_gb=max(x["peak_rss_gb"] for x in mine), rss_budget_gb=round(budget / 1e9, 3),
+                 rss_within_budget=all(x["rss_within_budget"] for x in mine))
     return points
 
 

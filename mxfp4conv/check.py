@@ -105,13 +105,22 @@ class InlineVerifier:
             if pos != end:
                 self._done(len(outs), [{"tensor": spec.key, "message": "unit bytes misplaced in the shard"}], shard)
             found: list[dict[str, Any]] = []
+            custom = getattr(self.target, "verify_unit", None)
+            dev = _device_of(want)
+            if dev is not None:  # the whole unit to the device through a small pinned buffer; compared there
+                buf = _to_device(fd, begin, end, dev)
+                get = _device_getter(buf, begin, where)
+                got = custom(want, spec, rctx, get) if custom else None
+                found = got if got is not None else compare_units(want, self.target.decode(spec, rctx, get))
+                del buf
+                self._done(len(outs), found, shard)
+                return
             for e0, e1 in _groups(spec, self.target, sum(o.nbytes for o in outs)):
                 if e1 - e0 == (spec.dims[0] if spec.kind == "moe" else 1) and e0 == 0:
                     sub, part, get = spec, want, _getter(fd, where, spec, 0, 0)
                 else:
                     sub = dataclasses.replace(spec, dims=(e1 - e0, *spec.dims[1:]))
                     part, get = _experts(want, e0, e1), _getter(fd, where, spec, e0, e1)
-                custom = getattr(self.target, "verify_unit", None)
                 got = custom(part, sub, rctx, get) if custom else None
                 found += got if got is not None else compare_units(part, self.target.decode(sub, rctx, get))
                 if found:
@@ -187,6 +196,59 @@ def _getter(fd: int, where: dict[str, tuple[int, OutTensor]], spec: UnitSpec, e0
             row = o.nbytes // experts
             pos, shape = pos + e0 * row, (e1 - e0, *shape[1:])
         return _read(fd, pos, o.dtype, shape)
+
+    return get
+
+
+STAGE_BYTES = 32 << 20  # the pinned buffer a unit's bytes pass through on their way to the device
+_stage = threading.local()
+
+
+def _device_of(unit: Canonical) -> torch.device | None:
+    """The CUDA device a canonical unit's FP4 weights live on (None: on the host)."""
+    for v in vars(unit).values():
+        if isinstance(v, FP4Weight) and v.packed.device.type == "cuda":
+            return v.packed.device
+    return None
+
+
+def _to_device(fd: int, begin: int, end: int, dev: torch.device) -> torch.Tensor:
+    """The shard's bytes ``[begin, end)`` as a uint8 tensor on ``dev``, read through a reused pinned buffer."""
+    import torch
+
+    from mxfp4conv.io.safetensors_io import tensor_view
+
+    stage = getattr(_stage, "buf", None)
+    if stage is None:
+        stage = _stage.buf = torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True)
+    view = tensor_view(stage)
+    out = torch.empty(end - begin, dtype=torch.uint8, device=dev)
+    pos = begin
+    while pos < end:
+        n = min(STAGE_BYTES, end - pos)
+        done = 0
+        while done < n:
+            got = os.preadv(fd, [view[done:n]], pos + done)
+            if got <= 0:
+                raise OSError(5, "the staged shard is shorter than its header says")
+            done += got
+        out[pos - begin:pos - begin + n].copy_(stage[:n])  # synchronous: the buffer is reused next
+        pos += n
+    return out
+
+
+def _device_getter(buf: torch.Tensor, begin: int, where: dict[str, tuple[int, OutTensor]]) -> Callable[[str], torch.Tensor]:
+    import math
+
+    from mxfp4conv.io.safetensors_io import ITEMSIZE
+
+    def get(name: str) -> torch.Tensor:
+        pos, o = where[name]
+        a = pos - begin
+        t = buf[a:a + math.prod(o.shape) * ITEMSIZE[o.dtype]]
+        if a % ITEMSIZE[o.dtype]:
+            t = t.clone()  # a wider dtype needs an aligned start
+        return t.view(torch_dtype(o.dtype)).reshape(o.shape)
 
     return get
 

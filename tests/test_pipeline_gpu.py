@@ -42,3 +42,27 @@ def test_gpu_convert_matches_cpu(tmp_path: Path, layout: str, rule: str) -> None
     for name, tree in trees.items():
         assert tree == trees["cpu"], f"{name} differs from the CPU output"
     assert verify_output(src, tmp_path / "cpu", device="cuda:0").ok
+
+
+def test_gpu_inline_proof_catches_a_flipped_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the GPU the check compares each requantized unit's written bytes with a second,
+    device-resident requantization: a byte flipped between write and check fails with nothing published."""
+    from mxfp4conv.errors import VerificationFailed
+    from mxfp4conv.io import safetensors_io
+
+    src = build("modelopt-nvfp4", tmp_path / "src", layers=3, experts=8, hidden=256, inter=128, shards=2)
+    ok = convert(src, tmp_path / "ok", ConvertOptions(target="ct", device="cuda:0"))
+    assert ok.verify is not None and ok.verify["ok"] and ok.verify["units"] > 0
+
+    def flip(path: Path, begin: int, end: int) -> None:
+        if end - begin > 100_000:  # a MoE unit
+            with open(path, "r+b") as fh:
+                fh.seek(begin + 12345)
+                b = fh.read(1)
+                fh.seek(begin + 12345)
+                fh.write(bytes([b[0] ^ 0x04]))
+
+    monkeypatch.setattr(safetensors_io, "CHECK_HOOK", flip)
+    with pytest.raises(VerificationFailed):
+        convert(src, tmp_path / "bad", ConvertOptions(target="ct", device="cuda:0"))
+    assert not (tmp_path / "bad").exists()

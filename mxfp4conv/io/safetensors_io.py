@@ -553,7 +553,8 @@ def _shrank(src: FileSlice, pos: int | None = None, parts: tuple[FileSlice, ...]
 
 
 class _BackgroundWriter:
-    """Two threads per shard, each taking the shard's items in order. The writer writes computed
+    """Three threads per shard, each taking the shard's items in order (the third runs the shard's
+    ``CheckRange`` items once their bytes are in the file). The writer writes computed
     buffers and copies byte ranges from source files. The hasher hashes the shard's bytes: a copied
     range from its source, at once (the same bytes; it also checks ranges marked E8M0 for 0xFF), and a
     computed buffer by reading it back from the new file (the page cache) once the writer is past it.
