@@ -138,6 +138,7 @@ def test_convert_serves_as_the_source_meant(converted: Callable[[str, str], tupl
         lines = err.strip().splitlines()
         assert len(lines) == 1 and accepted(expect, lines[0]), err
         assert not dst.exists()
+        assert not [p.name for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}")]  # no staging left
         return
     assert code == 0, err
     vcode, vout, verr = run("verify", str(r.path), str(dst))
