@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from replicas import BUILDERS, PURE_NVFP4, Replica
-from replicas.common import ROUTED_EXPERT_RE
-from replicas.resolver import kv_cache, kv_cache_declared, resolve
 
 from mxfp4conv.cli import cli
+from tests.replicas import BUILDERS, PURE_NVFP4, Replica
+from tests.replicas.common import ROUTED_EXPERT_RE
+from tests.replicas.resolver import kv_cache, kv_cache_declared, resolve
 
 TARGETS = ("ct", "quark", "marlin")
 FAMILIES = list(BUILDERS)

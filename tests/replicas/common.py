@@ -8,6 +8,7 @@ sizes pass Marlin's tile rules (H=128, I=64) so ``--to marlin`` can convert what
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -15,16 +16,30 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-_EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-if str(_EXAMPLES) not in sys.path:  # the FP4 formulas live in examples/tiny.py
-    sys.path.insert(0, str(_EXAMPLES))
+TINY_PATH = Path(__file__).resolve().parents[2] / "examples" / "tiny.py"
 
-from tiny import quant_mxfp4, quant_nvfp4  # noqa: E402
+
+def _tiny() -> ModuleType:
+    """examples/tiny.py (the FP4 formulas the other builders use), one module object for every importer."""
+    loaded = sys.modules.get("tiny")
+    if loaded is not None and Path(str(getattr(loaded, "__file__", ""))).resolve() == TINY_PATH:
+        return loaded
+    spec = importlib.util.spec_from_file_location("tiny", TINY_PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tiny"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+quant_mxfp4: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = _tiny().quant_mxfp4
+quant_nvfp4: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = _tiny().quant_nvfp4
 
 PRECISIONS = ("mxfp4", "nvfp4", "fp8-tensor", "fp8-block", "bf16")
 ROUTED_EXPERT_RE = re.compile(r"\.experts\.\d+\.[A-Za-z0-9_]+$")
