@@ -32,6 +32,7 @@ __all__ = [
     "expert_container",
     "fnmatch_to_re",
     "matches",
+    "mtp_runtime_name",
     "runtime_pattern",
 ]
 
@@ -137,6 +138,14 @@ def runtime_pattern(module: str, num_layers: int, *, children: bool = False) -> 
     if not m or not num_layers or int(m["idx"]) < num_layers:
         return "re:" + re.escape(module) + tail if children else module
     return "re:" + re.escape(f"{m['head']}{m['idx']}.") + r"(mtp_block\.)?" + re.escape(m["rest"]) + tail
+
+
+def mtp_runtime_name(module: str, num_layers: int) -> str | None:
+    """vLLM's name for a module of an MTP layer (``layers.N.mtp_block.<rest>``); None below num_hidden_layers."""
+    m = _LAYER.match(module)
+    if not m or not num_layers or int(m["idx"]) < num_layers:
+        return None
+    return f"{m['head']}{m['idx']}.mtp_block.{m['rest']}"
 
 
 def _scale_kind(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> Literal["fp8-tensor", "fp8-block"] | None:
