@@ -1,15 +1,14 @@
-"""Shared test setup: builders from examples/, GPU auto-skip."""
+"""Shared test setup: the checkpoint builders (tests/builders.py, which loads examples/tiny.py once), GPU auto-skip."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+from tests import builders
+
+# Loaded before any test module: examples/tiny.py is importable as ``tiny`` without a sys.path entry.
+tiny = builders.tiny
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from tiny import build
 
 from mxfp4conv.errors import InputError
 from mxfp4conv.io import hash_native as hn
 from mxfp4conv.io import safetensors_io as sio
 from mxfp4conv.kernels import requant_native
+from tests.builders import build
 
 
 @pytest.fixture
@@ -136,7 +136,7 @@ def test_e8m0_0xff_is_caught_in_both_modes(tmp_path: Path, monkeypatch: pytest.M
     scales[290, 33] = 0xFF
     save_file({"w.weight_scale": scales}, str(src))
     ref = sio.read_header(src)[0]["w.weight_scale"]
-    entries = [("w.weight_scale", "U8", (300, 4000))]
+    entries: list[tuple[str, str, tuple[int, ...]]] = [("w.weight_scale", "U8", (300, 4000))]
     plain = sio.FileSlice(ref.file, ref.begin, ref.nbytes, ref.name)
     ok = sio.stream_safetensors(tmp_path / "a.safetensors", entries, iter([plain]))
     assert ok.result(timeout=60) == hashlib.sha256((tmp_path / "a.safetensors").read_bytes()).hexdigest()

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tiny import build
+from tests.builders import build
 
 REV = "0123456789abcdef0123456789abcdef01234567"
 

@@ -18,9 +18,9 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from tiny import build
 
 from mxfp4conv.cli import cli
+from tests.builders import build
 
 GOLDEN = Path(__file__).parent / "data" / "golden_marlin"
 DENSE_CASES = ["dense_mxfp4_n128_k256_bias", "dense_mxfp4_n64_k512_nobias", "dense_mxfp4_padded_n96_k192"]

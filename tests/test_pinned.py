@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mxfp4conv.io import pinned
@@ -20,7 +21,7 @@ def test_settings_leave_a_users_own_choice_alone() -> None:
         assert pinned.settings(16, {var: "pinned_use_cuda_host_register:False"}) is None
 
 
-def test_applied_once_per_process(monkeypatch) -> None:
+def test_applied_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
     monkeypatch.setattr(pinned, "_done", False)
@@ -32,7 +33,7 @@ def test_applied_once_per_process(monkeypatch) -> None:
     assert calls == ["pinned_use_cuda_host_register:True,pinned_num_register_threads:2"]
 
 
-def test_a_torch_without_the_setting_is_left_as_is(monkeypatch) -> None:
+def test_a_torch_without_the_setting_is_left_as_is(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(conf: str) -> None:
         raise RuntimeError("Unrecognized key")
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import build
 
 from mxfp4conv.pipeline import ConvertOptions, convert
 from mxfp4conv.verify import verify_output
+from tests.builders import build
 
 pytestmark = pytest.mark.gpu
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import ray  # noqa: F401 - the test install must have it (no skip)
 from click.testing import CliRunner
-from tiny import build
 
 from mxfp4conv.cli import cli
+from tests.builders import build
 
 RAY_CLI = Path(sys.executable).with_name("ray")
 SHARD = "30KB"  # 5 output shards for the tiny builders

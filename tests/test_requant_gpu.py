@@ -27,6 +27,7 @@ if not torch.cuda.is_available() and not _INTERPRET:
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
+from mxfp4conv.formats.mxfp4 import ScaleRule  # noqa: E402
 from mxfp4conv.kernels.requant_triton import (  # noqa: E402
     KernelConfig,
     auto_num_warps,
@@ -46,15 +47,8 @@ BIG_R, BIG_K = (int(v) for v in _SIZE.lower().split("x"))
 F32_MIN_NORMAL = float(np.finfo(np.float32).tiny)
 
 
-def _rule(name: str) -> object:
-    """The ScaleRule member for ``name`` (the CPU reference's enum), or the name itself."""
-    try:
-        from mxfp4conv.formats.mxfp4 import ScaleRule  # type: ignore[attr-defined]
-    except ImportError:
-        try:
-            from mxfp4conv.requant import ScaleRule  # type: ignore[attr-defined,no-redef]
-        except ImportError:
-            return name
+def _rule(name: str) -> ScaleRule:
+    """The ScaleRule member for ``name``."""
     return ScaleRule[name.upper()]
 
 
@@ -203,7 +197,7 @@ def adversarial_nvfp4(divisor: bool, seed: int = 7, k: int = 128) -> dict[str, t
 
     # 7. MSE near-ties: the two candidates' exact errors tie (with nonzero terms) or differ by
     #    ~2^-18 .. 2^-21 of them, so the kernel's float32 decision must fall back to the exact one.
-    from test_requant import mse_near_tie_nvfp4
+    from tests.test_requant import mse_near_tie_nvfp4
 
     fam["mse_near_ties"] = mse_near_tie_nvfp4(divisor, r=256, k=k)
     return fam
@@ -249,7 +243,7 @@ def _run_both(packed: torch.Tensor, sc: torch.Tensor, g: torch.Tensor, divisor: 
 
 
 @triton.jit
-def _plain_div_kernel(p_ptr, g_ptr, o_ptr, n, BLOCK: tl.constexpr):
+def _plain_div_kernel(p_ptr, g_ptr, o_ptr, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton reads the annotations
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     tl.store(o_ptr + i, tl.load(p_ptr + i, mask=m) / tl.load(g_ptr + i, mask=m), mask=m)

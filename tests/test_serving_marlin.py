@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-from tiny import build
 
+from examples.serving.marlin_ready import MarlinReadyMismatch, load_marlin_ready
 from mxfp4conv.cli import cli
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "serving"))
-from marlin_ready import MarlinReadyMismatch, load_marlin_ready
+from tests.builders import build
 
 
 @pytest.fixture(scope="module")

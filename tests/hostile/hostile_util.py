@@ -12,11 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO / "examples") not in sys.path:
-    sys.path.insert(0, str(REPO / "examples"))
+from tests.builders import tiny as tiny  # re-exported: the builders (examples/tiny.py)
 
-import tiny  # noqa: E402, F401  (examples/tiny.py, via the sys.path insertion above; re-exported)
+REPO = Path(__file__).resolve().parents[2]
 
 INDEX = "model.safetensors.index.json"
 SHARD1 = "model-00001-of-00002.safetensors"

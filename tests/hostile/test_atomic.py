@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hostile_util import (
+
+from tests.hostile.hostile_util import (
     cli_cmd,
     cli_env,
     file_hashes,
@@ -40,7 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 WORKERS = max(2, min(4, (os.cpu_count() or 2) + 1))
 SEED = int(os.environ.get("HOSTILE_SEED", str(int(time.time()) % 100_000)))  # printed with -s; rerun with it
 KILL_TRIALS = int(os.environ.get("HOSTILE_KILL_TRIALS", "4"))
-BIG = {"layers": 6, "experts": 8, "hidden": 128, "inter": 64, "shards": 4}
+BIG: dict[str, Any] = {"layers": 6, "experts": 8, "hidden": 128, "inter": 64, "shards": 4}
 BIG_OPTS = ("--device", "cpu", "--max-shard-size", "200KB")  # ~9 output shards
 OPTS = ("--device", "cpu")
 

@@ -37,7 +37,8 @@ from typing import Any
 
 import pytest
 import torch
-from hostile_util import (
+
+from tests.hostile.hostile_util import (
     INDEX,
     SHARD1,
     SHARD2,
@@ -561,8 +562,9 @@ def _run_case(name: str, base: Path, *, subprocesses: bool = True) -> Outcome:
 @pytest.fixture(scope="module")
 def corpus_runs(request: pytest.FixtureRequest) -> Any:
     """Build and run every selected case concurrently; tests pick up their own result."""
-    selected = [it.callspec.params["case"] for it in request.session.items
-                if it.module is request.module and hasattr(it, "callspec") and "case" in it.callspec.params]
+    selected = [str(it.callspec.params["case"]) for it in request.session.items
+                if isinstance(it, pytest.Function) and it.module is request.module and hasattr(it, "callspec")
+                and "case" in it.callspec.params]
     root = Path(tempfile.mkdtemp(prefix="mxfp4conv-corpus-"))
     workers = max(2, min(4, (os.cpu_count() or 2)))
     pool = ThreadPoolExecutor(max_workers=workers)

@@ -303,7 +303,7 @@ _SPLIT = {  # layout -> (packed, scale, scale dtype, group, partners {suffix: (d
                  {"weight_global_scale": "F32", "input_global_scale": "F32"}),
     "modelopt-nvfp4": ("weight", "weight_scale", "F8_E4M3", 16, {"weight_scale_2": "F32", "input_scale": "F32"}),
 }
-_QCONFIG = {
+_QCONFIG: dict[str, dict[str, Any]] = {
     "ct-mxfp4": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
                  "ignore": ["lm_head", "re:.*mlp.gate$"]},
     "ct-nvfp4": {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
@@ -480,7 +480,8 @@ def test_layout_detection_and_plan(ckpt: Checkpoint) -> None:
 def _split_ckpt(num_experts: Any, present: int = 2) -> Checkpoint:
     tensors = _consistent("ct-mxfp4", 1, present, 32, 32, ("gate_proj", "up_proj", "down_proj"), False)
     root = Path("/nonexistent/x")
-    refs, off = {}, 0
+    refs: dict[str, TensorRef] = {}
+    off = 0
     for name, (dtype, shape) in tensors.items():
         nbytes = math.prod(shape) * DTYPES[dtype][1]
         refs[name] = FakeRef(root / "m.safetensors", name, dtype, shape, off, off + nbytes)

@@ -27,6 +27,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -82,7 +83,7 @@ def guard_torchvision_aliases() -> int:
 def make_config(arch: str):  # type: ignore[no-untyped-def]
     from transformers import GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
-    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=NUM_LAYERS, num_attention_heads=4,
+    common: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=NUM_LAYERS, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, num_experts_per_tok=2, max_position_embeddings=128,
                   tie_word_embeddings=False)
     if arch == "qwen3_moe":
@@ -121,7 +122,8 @@ def quantize(bf16: Path, scheme: str, ignore: list[str], shard: str | None, out:
     with load_context():
         model = AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16)
     oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=ignore))
-    model.save_pretrained(out, save_compressed=True, **({"max_shard_size": shard} if shard else {}))
+    shard_kw: dict[str, Any] = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(out, save_compressed=True, **shard_kw)
 
 
 def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -94,7 +94,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory, fixture_path: Callable[[
             dst = tmp_path_factory.mktemp("out") / f"{name}--{target}"
             report = convert(fixture_path(name), dst, ConvertOptions(target=target, **opts))
             session_cache[key] = (dst, report)
-        return session_cache[key]  # type: ignore[no-any-return]
+        return session_cache[key]
 
     return run
 

@@ -20,15 +20,13 @@ import json
 import math
 import re
 import shutil
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build_fixtures import guard_torchvision_aliases
+from tests.producers.build_fixtures import guard_torchvision_aliases
 
 SEQ = 16
 _EXPERT = re.compile(
@@ -55,7 +53,8 @@ def input_ids(vocab: int) -> torch.Tensor:
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
-    ids = input_ids(model.config.vocab_size)
+    config: Any = model.config  # a PreTrainedModel's config (nn.Module types attributes as Tensor | Module)
+    ids = input_ids(config.vocab_size)
     with torch.no_grad():
         return model(input_ids=ids).logits.float()
 
@@ -63,7 +62,8 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
 # ----------------------------------------------------------------------------- readers
 def hf_load(folder: Path, *, mxfp4_dequantize: bool = False) -> tuple[torch.nn.Module, dict[str, Any]]:
     """(float32 model, loading info with the non-empty key sets) via stock transformers."""
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig, Mxfp4Config
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    from transformers.utils.quantization_config import Mxfp4Config
 
     guard_torchvision_aliases()
     kw: dict[str, Any] = {}
@@ -76,8 +76,10 @@ def hf_load(folder: Path, *, mxfp4_dequantize: bool = False) -> tuple[torch.nn.M
         kw["quantization_config"] = CompressedTensorsConfig(dequantize=True)
     with warnings.catch_warnings():  # "You passed `quantization_config` ... already has a `quantization_config`"
         warnings.filterwarnings("ignore", message=".*already has a `quantization_config`", category=UserWarning)
-        model, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16,
+        # with output_loading_info=True from_pretrained returns (model, info); its annotation says model only
+        loaded: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16,
                                                            output_loading_info=True, **kw)
+    model, info = loaded
     model = torch.nn.Module.to(model, torch.float32)  # PreTrainedModel.float()/.to() refuse quantized models
     model.eval()
     return model, {k: sorted(v) for k, v in info.items() if v}
@@ -176,7 +178,7 @@ def ct_config_from_quark(q: dict[str, Any]) -> dict[str, Any]:
     g = q["global_quant_config"]
     w = g["weight"]
     assert (w["dtype"], w["qscheme"], w["group_size"], w["scale_format"]) == ("fp4", "per_group", 32, "e8m0"), w
-    weights = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32, "num_bits": 4,
+    weights: dict[str, Any] = {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32, "num_bits": 4,
                "observer": "minmax", "observer_kwargs": {}, "scale_dtype": "torch.uint8", "strategy": "group",
                "symmetric": True, "type": "float", "zp_dtype": None}
     acts = None

@@ -36,7 +36,11 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from producers_lib import (
+
+from mxfp4conv.cli import cli
+from mxfp4conv.errors import UsageError
+from mxfp4conv.inspect import inspect_checkpoint
+from tests.producers.producers_lib import (
     assemble_state_dict,
     ct_dequantize,
     diff_state_dicts,
@@ -50,10 +54,6 @@ from producers_lib import (
     reference_model,
     sqnr_db,
 )
-
-from mxfp4conv.cli import cli
-from mxfp4conv.errors import UsageError
-from mxfp4conv.inspect import inspect_checkpoint
 
 pytestmark = pytest.mark.producers
 
@@ -105,7 +105,7 @@ def read_source(name: str, path: Path, cache: dict[Any, Any]) -> tuple[torch.nn.
             how = "compressed-tensors dequantizer + transformers from_config"
         assert not info, f"{name}: {info}"
         cache[key] = (model, logits(model), how)
-    return cache[key]  # type: ignore[no-any-return]
+    return cache[key]
 
 
 def assert_same(src: torch.nn.Module, src_logits: torch.Tensor, out: torch.nn.Module, what: str) -> None:
