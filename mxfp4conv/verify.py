@@ -143,8 +143,11 @@ def first_range_difference(src: Path, src_pos: int, fd: int, pos: int, length: i
 
 
 def planned_mismatches(out: Checkpoint, plan: Plan, target: Target, rctx: WriterContext) -> list[dict[str, Any]]:
-    """How the tensors of an output folder differ from the plan: unexpected, missing, other dtype or shape."""
-    found: list[dict[str, Any]] = []
+    """How an output folder differs from the plan: unexpected, missing, other dtype or shape of a tensor,
+    and any module its config.json would make the runtime build otherwise than the source meant it."""
+    from mxfp4conv.resolve import config_proof
+
+    found: list[dict[str, Any]] = list(config_proof(out.config, rctx))
     planned = {t.name: t for u in plan.units for t in target.out_specs(u, rctx)}
     for name in sorted(set(out.tensors) - set(planned))[:MAX_SHOWN]:
         found.append({"tensor": name, "message": "unexpected tensor in output"})
