@@ -29,7 +29,14 @@ from mxfp4conv.errors import OutputError, UsageError
 from mxfp4conv.inspect import SCHEMA_VERSION
 from mxfp4conv.io.atomic import check_destination, publish, remove_tree, staging_path
 from mxfp4conv.io.checkpoint import PICKLE_SUFFIXES, Checkpoint
-from mxfp4conv.io.safetensors_io import CheckRange, FileSlice, InflightBudget, st_dtype, stream_safetensors
+from mxfp4conv.io.safetensors_io import (
+    BATCH_BYTES,
+    CheckRange,
+    FileSlice,
+    InflightBudget,
+    st_dtype,
+    stream_safetensors,
+)
 from mxfp4conv.job import (  # re-exported: the options and helpers callers know from here
     GB,
     ConvertOptions,
@@ -369,6 +376,11 @@ def _write_all(job: Job, shard_plans: list[tuple[str, WriterContext, list[_Shard
     outputs: dict[str, str] = {}
     fin = _ShardFinisher(_progress_file(staging, opts), fingerprint, report, outputs)
     total = sum(s.nbytes for _, _, shards in shard_plans for s in shards)
+    if job.needs_device and devices(opts)[0].startswith("cuda"):
+        # GPU outputs are produced far faster than the disk takes them: a unit's worth queued keeps
+        # the writer busy, and the host memory held stays about two units (README: peak RSS)
+        fin.budget.limit = max(BATCH_BYTES, max((sum(t.nbytes for t in target.out_specs(u, rctx)) for _, rctx, shards
+                                                 in shard_plans for sh in shards for u in sh.units), default=0))
     done = [0]
     reused = False
     try:
