@@ -8,8 +8,8 @@ Default sizes: one GPT-OSS-120B MoE layer on vLLM's Marlin path (E=128, H=I=2880
 Ip=2944 at TP 1). "repack" does what vLLM 0.33's ``prepare_moe_mxfp4_layer_for_marlin`` does after the
 checkpoint's uint8 tensors are on the GPU: ``_C.gptq_marlin_repack`` (vLLM's own op, from the wheel's
 stable-ABI library) per expert into a preallocated [E, ...] output, the E8M0 scales through bf16 and
-Marlin's permutation per expert (mxfp4conv's byte-identical GPU implementation of it), then the
-uint8 originals freed. "prepared" copies the Marlin-ready tensors into parameters of their final
+Marlin's permutation per expert (mxfp4conv's byte-identical GPU implementation of it); the uint8
+originals stay allocated until every tensor is prepared, as the layer's parameters are replaced only then. "prepared" copies the Marlin-ready tensors into parameters of their final
 shapes. Both start from pinned host memory, so both include the host-to-device copy. Reported: wall
 time (CUDA-synchronized) and peak GPU memory above the layer's final size, per variant and as ratios.
 """
@@ -36,7 +36,7 @@ def repack_path(host: dict[str, torch.Tensor], e: int, hp: int, ip: int) -> dict
     w = {k: v.to(dev, non_blocking=True) for k, v in host.items()}  # the checkpoint's uint8 tensors
     out: dict[str, torch.Tensor] = {}
     for name, n, k in (("w13", 2 * ip, hp), ("w2", hp, ip)):
-        packed = w.pop(f"{name}_weight")
+        packed = w[f"{name}_weight"]
         dst = None
         for i in range(e):
             q = packed[i].view(torch.int32).T.contiguous()
@@ -44,15 +44,15 @@ def repack_path(host: dict[str, torch.Tensor], e: int, hp: int, ip: int) -> dict
             if dst is None:
                 dst = torch.empty((e, *m.shape), dtype=m.dtype, device=dev)
             dst[i] = m
-        del packed
         out[f"{name}_weight"] = dst  # type: ignore[assignment]
-        scales = w.pop(f"{name}_weight_scale")
+        scales = w[f"{name}_weight_scale"]
         per_expert = []
         for i in range(e):
             _ = scales[i].view(torch.float8_e8m0fnu).to(torch.bfloat16)  # vLLM goes through the params dtype
             per_expert.append(fm.mxfp4_scales_to_marlin(scales[i]).view(torch.float8_e8m0fnu))
         out[f"{name}_weight_scale"] = torch.cat([x.unsqueeze(0) for x in per_expert])
     torch.cuda.synchronize()
+    del w  # the layer's uint8 parameters are replaced only once every tensor is prepared
     return out
 
 
