@@ -1,0 +1,195 @@
+"""Source checkpoints for the serving tests and their float32 references (project venv only).
+
+Sizes suit vLLM's CPU build: head_dim 32 (its CPU attention supports 32..512, not the 16 of the
+producer fixtures), hidden 128, expert intermediate 64 (multiples of 32 for MXFP4 blocks).
+
+Qwen3-MoE and Mixtral: one set of seeded float weights per architecture, written three ways:
+compressed-tensors MXFP4 W4A16 (``ct-mxfp4``), compressed-tensors NVFP4 W4A16 (``ct-nvfp4``), and
+kept in memory unquantized (the "bf16 original": the weights both quantized sources were made
+from). Attention, router, embeddings and lm_head are BF16 in every source. Expert weights are
+large enough (std 0.15 at H=128) that the MoE moves the logits: a wrong expert byte shows.
+
+GPT-OSS: ``examples/tiny.py``'s native GPT-OSS MXFP4 builder at the same sizes.
+
+References are float32 ``transformers`` forwards of third-party dequantizations
+(tests/producers/producers_lib.py: compressed-tensors' own dequantizer for ct-mxfp4, its FP4 unpacker
+in NUMERICS.md order for ct-nvfp4, transformers' ``Mxfp4Config(dequantize=True)`` for GPT-OSS).
+Nothing here imports mxfp4conv.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_TESTS = Path(__file__).resolve().parents[1]
+for _p in (_TESTS.parent / "examples", _TESTS / "producers"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from producers_lib import exact_nvfp4_dequantize, hf_load, mx_quantize, reference_model  # noqa: E402
+from tiny import _ct_qconfig, _save_sharded, quant_mxfp4, quant_nvfp4  # noqa: E402
+from tiny import build as tiny_build  # noqa: E402
+
+H, INTER, EXPERTS, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 128, 64, 4, 2, 4, 2, 32, 256
+PROMPT_LEN = 24
+IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*self_attn.*"]
+
+
+def prompts() -> list[list[int]]:
+    """Two fixed prompts (seeded), token 0 excluded."""
+    g = torch.Generator().manual_seed(20261202)
+    return [torch.randint(1, VOCAB, (PROMPT_LEN,), generator=g).tolist() for _ in range(2)]
+
+
+def _config(arch: str) -> dict[str, object]:
+    common: dict[str, object] = {
+        "hidden_size": H, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "vocab_size": VOCAB, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 512, "rope_theta": 10000.0, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "num_experts_per_tok": 2}
+    if arch == "qwen3_moe":
+        return {**common, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "intermediate_size": 2 * INTER, "moe_intermediate_size": INTER, "num_experts": EXPERTS,
+                "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
+    if arch == "mixtral":
+        return {**common, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "intermediate_size": INTER, "num_local_experts": EXPERTS, "sliding_window": None}
+    raise ValueError(arch)
+
+
+@dataclass
+class MoeSource:
+    """The float weights of one architecture and the quantized checkpoints written from them."""
+
+    arch: str
+    original: dict[str, torch.Tensor]  # float32, per-expert names of the checkpoint (unquantized)
+    paths: dict[str, Path]  # "ct-mxfp4" / "ct-nvfp4" -> folder
+
+
+def _expert_names(arch: str, layer: int, e: int) -> tuple[str, str, str, str]:
+    if arch == "mixtral":
+        p = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
+        return p, "w1", "w3", "w2"
+    return f"model.layers.{layer}.mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"
+
+
+def build_moe(arch: str, root: Path, seed: int) -> MoeSource:
+    """Write ``root/<arch>-ct-mxfp4`` and ``root/<arch>-ct-nvfp4`` from one set of seeded weights."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16).float()
+
+    dense: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(VOCAB, H, std=1.0),
+                                      "model.norm.weight": torch.ones(H), "lm_head.weight": rnd(VOCAB, H, std=0.1)}
+    experts: dict[str, torch.Tensor] = {}
+    moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    for layer in range(LAYERS):
+        p = f"model.layers.{layer}"
+        dense[f"{p}.input_layernorm.weight"] = torch.ones(H)
+        dense[f"{p}.post_attention_layernorm.weight"] = torch.ones(H)
+        for name, rows, cols in (("q_proj", HEADS * HEAD_DIM, H), ("k_proj", KV_HEADS * HEAD_DIM, H),
+                                 ("v_proj", KV_HEADS * HEAD_DIM, H), ("o_proj", H, HEADS * HEAD_DIM)):
+            dense[f"{p}.self_attn.{name}.weight"] = rnd(rows, cols, std=0.08)
+        if arch == "qwen3_moe":
+            dense[f"{p}.self_attn.q_norm.weight"] = torch.ones(HEAD_DIM)
+            dense[f"{p}.self_attn.k_norm.weight"] = torch.ones(HEAD_DIM)
+        dense[f"{p}.{moe}.gate.weight"] = rnd(EXPERTS, H, std=0.3)
+        for e in range(EXPERTS):
+            m, gate, up, down = _expert_names(arch, layer, e)
+            experts[f"{m}.{gate}.weight"] = rnd(INTER, H, std=0.15)
+            experts[f"{m}.{up}.weight"] = rnd(INTER, H, std=0.15)
+            experts[f"{m}.{down}.weight"] = rnd(H, INTER, std=0.15)
+    cfg = _config(arch)
+    paths: dict[str, Path] = {}
+    for layout in ("ct-mxfp4", "ct-nvfp4"):
+        out = root / f"{arch}-{layout}"
+        out.mkdir(parents=True)
+        t = {k: v.to(torch.bfloat16) for k, v in dense.items()}
+        for k, w in experts.items():
+            m = k.removesuffix(".weight")
+            if layout == "ct-mxfp4":
+                t[f"{m}.weight_packed"], t[f"{m}.weight_scale"] = quant_mxfp4(w)
+            else:
+                gate_up = m.endswith((".gate_proj", ".up_proj", ".w1", ".w3"))
+                tied = None
+                if gate_up:  # gate and up share the second-level scale, as llm-compressor writes it
+                    base, proj = m.rsplit(".", 1)
+                    partner = {"gate_proj": "up_proj", "up_proj": "gate_proj", "w1": "w3", "w3": "w1"}[proj]
+                    tied = torch.maximum(w.abs().amax(), experts[f"{base}.{partner}.weight"].abs().amax())
+                pk, sc, ws2 = quant_nvfp4(w, tied)
+                t[f"{m}.weight_packed"], t[f"{m}.weight_scale"] = pk, sc
+                t[f"{m}.weight_global_scale"] = (1.0 / ws2).reshape(1).float()
+        fmt = "mxfp4-pack-quantized" if layout == "ct-mxfp4" else "nvfp4-pack-quantized"
+        (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": _ct_qconfig(fmt, IGNORE)},
+                                                    indent=2, sort_keys=True))
+        (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+        _save_sharded(out, t, 2)
+        paths[layout] = out
+    return MoeSource(arch, {**dense, **experts}, paths)
+
+
+def build_gpt_oss(root: Path) -> Path:
+    return tiny_build("gpt-oss", root / "gpt_oss-native", layers=LAYERS, experts=EXPERTS, hidden=H, inter=INTER,
+                      shards=2, seed=3)
+
+
+# ----------------------------------------------------------------------------- references
+def log_probs(model: torch.nn.Module, prompt_list: list[list[int]]) -> torch.Tensor:
+    """[prompts, positions, vocab] float64 log-softmax of the float32 model's logits."""
+    ids = torch.tensor(prompt_list)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def reference(kind: str, folder: Path, src: MoeSource | None = None) -> torch.nn.Module:
+    """float32 transformers model of a source: ``ct-mxfp4``, ``ct-nvfp4``, ``gpt-oss`` or ``original``."""
+    if kind == "ct-mxfp4":
+        return reference_model(folder)
+    if kind == "ct-nvfp4":
+        return reference_model(folder, exact_nvfp4_dequantize(folder))
+    if kind == "original":
+        assert src is not None
+        return reference_model(folder, dict(src.original))
+    if kind == "gpt-oss":
+        model, info = hf_load(folder, mxfp4_dequantize=True)
+        assert not info, f"{folder}: transformers loading info {info}"
+        return model
+    raise ValueError(kind)
+
+
+def top20_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over ``a``'s 20 most likely tokens at every position."""
+    idx = a.topk(20, dim=-1).indices
+    return float((a.gather(-1, idx) - b.gather(-1, idx)).abs().max())
+
+
+def requantized_reference(folder: Path) -> torch.nn.Module:
+    """float32 model of a ct-nvfp4 source whose expert weights went through an independent model of
+    NUMERICS.md's MXFP4 quantization (``mx_quantize(.., "mse")``, producers_lib), the default rule."""
+    dense = exact_nvfp4_dequantize(folder)
+    for k, v in dense.items():
+        if ".experts." in k and k.endswith(".weight"):
+            dense[k] = mx_quantize(v, "mse")[0].float()
+    return reference_model(folder, dense)
+
+
+@dataclass
+class Served:
+    """Everything the tests read: vLLM's results by case name, references, paths, timings."""
+
+    root: Path
+    results: dict[str, dict[str, Any]]
+    refs: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [prompts, positions, vocab] log-probs
+    bf16_error: dict[str, float] = field(default_factory=dict)  # source -> E(transformers bf16, float32)
+    prompts: list[list[int]] = field(default_factory=list)
+    convert_errors: dict[str, str] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    stderr_tail: str = ""
