@@ -1,0 +1,1 @@
+"""One test module per input layout (mxfp4conv/layouts/)."""
