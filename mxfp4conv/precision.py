@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = [
     "EMBEDDINGS",
@@ -29,10 +29,12 @@ __all__ = [
     "Precision",
     "PrecisionModel",
     "build_precision",
+    "ct_group_precision",
     "expert_container",
     "fnmatch_to_re",
     "matches",
     "mtp_runtime_name",
+    "quark_spec_precision",
     "runtime_pattern",
 ]
 
@@ -101,6 +103,34 @@ def expert_container(module: str) -> str | None:
     """``model.layers.3.mlp.experts`` for ``model.layers.3.mlp.experts.0.gate_proj``; None for other modules."""
     m = _EXPERT_PROJ.match(module)
     return m["container"] if m else None
+
+
+def ct_group_precision(group: Mapping[str, Any]) -> Precision | None:
+    """A compressed-tensors config group's weight scheme."""
+    w = group.get("weights")
+    if not isinstance(w, dict) or w.get("type") != "float":
+        return None
+    if w.get("num_bits") == 4:
+        return "mxfp4" if w.get("group_size") == 32 else "nvfp4" if w.get("group_size") == 16 else None
+    if w.get("num_bits") == 8:
+        strategy = w.get("strategy")
+        return "fp8-block" if strategy == "block" else "fp8-tensor" if strategy == "tensor" else None
+    return None
+
+
+def quark_spec_precision(cfg: Any) -> Precision | None:
+    """A Quark layer config's weight scheme (a spec, or a list of specs for two-level schemes)."""
+    w = cfg.get("weight") if isinstance(cfg, dict) else None
+    w = w[0] if isinstance(w, list) and w else w
+    if not isinstance(w, dict):
+        return None
+    if w.get("dtype") == "fp4" and w.get("qscheme") == "per_group":
+        return "mxfp4" if w.get("group_size") == 32 else "nvfp4" if w.get("group_size") == 16 else None
+    if w.get("dtype") == "fp8_e4m3" and w.get("qscheme") == "per_tensor":
+        return "fp8-tensor"
+    if w.get("dtype") == "fp8_e4m3" and w.get("qscheme") == "per_block" and list(w.get("block_size") or ()) == [128, 128]:
+        return "fp8-block"
+    return None
 
 
 def fnmatch_to_re(pattern: str, *, children: bool = False) -> str:

@@ -19,35 +19,16 @@ import fnmatch
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from mxfp4conv.precision import Precision, expert_container, matches, mtp_runtime_name
+from mxfp4conv.precision import (
+    Precision,
+    ct_group_precision,
+    expert_container,
+    matches,
+    mtp_runtime_name,
+    quark_spec_precision,
+)
 
 __all__ = ["config_mismatches", "expected", "resolve_ct", "resolve_quark"]
-
-def ct_group_precision(group: Mapping[str, Any]) -> Precision | None:
-    """A compressed-tensors config group's weight scheme."""
-    w = group.get("weights")
-    if not isinstance(w, dict) or w.get("type") != "float":
-        return None
-    if w.get("num_bits") == 4:
-        return "mxfp4" if w.get("group_size") == 32 else "nvfp4" if w.get("group_size") == 16 else None
-    if w.get("num_bits") == 8:
-        strategy = w.get("strategy")
-        return "fp8-block" if strategy == "block" else "fp8-tensor" if strategy == "tensor" else None
-    return None
-
-
-def quark_spec_precision(cfg: Any) -> Precision | None:
-    """A Quark layer config's weight scheme (a spec, or a list of specs for two-level schemes)."""
-    w = cfg.get("weight") if isinstance(cfg, dict) else None
-    w = w[0] if isinstance(w, list) and w else w
-    if not isinstance(w, dict):
-        return None
-    if w.get("dtype") == "fp4" and w.get("qscheme") == "per_group":
-        return "mxfp4" if w.get("group_size") == 32 else "nvfp4" if w.get("group_size") == 16 else None
-    if w.get("dtype") == "fp8_e4m3" and w.get("qscheme") == "per_tensor":
-        return "fp8-tensor"
-    return None
-
 
 def resolve_ct(q: Mapping[str, Any], name: str) -> Precision | None:
     """The precision compressed-tensors gives the Linear ``name`` ("bf16" when ignored or unmatched)."""

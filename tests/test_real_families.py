@@ -218,8 +218,9 @@ def _check_bytes(r: Replica, target: str, out: Path) -> None:
         if r.source_quant() == "mxfp4":
             for module in fp4:
                 packed_src = "weight_packed" if f"{module}.weight_packed" in src else "weight"
+                scale_src = "weight_scale" if f"{module}.weight_scale" in src else "scale"  # DeepSeek-V4
                 for s_name, o_name in ((f"{module}.{packed_src}", f"{module}.{packed_out}"),
-                                       (f"{module}.weight_scale", f"{module}.weight_scale")):
+                                       (f"{module}.{scale_src}", f"{module}.weight_scale")):
                     got = dst.get(o_name)
                     if got is not None and got[2] != src[s_name][2]:
                         problems.append(f"{s_name} -> {o_name}: FP4 bytes not bit-exact")

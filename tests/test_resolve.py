@@ -114,3 +114,42 @@ def test_matching_rules_golden() -> None:
     assert resolve_quark(qq, "layers.1.self_attn.o_proj") == "fp8-tensor"  # a key without * matches as a substring
     assert resolve_quark(qq, "model.layers.9.mtp_block.self_attn.o_proj") == "fp8-tensor"
     assert resolve_quark(qq, "model.layers.2.self_attn.o_proj") == "mxfp4"
+
+
+@pytest.mark.parametrize("command", ["convert", "verify"])
+def test_a_config_that_misdeclares_a_layer_is_never_published(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 command: str) -> None:
+    """A writer that dropped the FP8 groups (the FP8 attention then falls under the FP4 ``Linear`` group):
+    convert's proof fails with exit 3 and publishes nothing; verify of such an output fails the same way."""
+    from click.testing import CliRunner
+
+    from mxfp4conv.cli import cli
+    from mxfp4conv.writers import ct
+
+    src = BUILDERS["modelopt-mixed-deepseek_v3"](tmp_path / "src").path
+    dst = tmp_path / "out"
+
+    def no_fp8_groups(ctx: WriterContext) -> dict[str, Any]:
+        q = real(ctx)
+        q["config_groups"] = {"group_0": q["config_groups"]["group_0"]}
+        return q
+
+    real = ct.quantization_config
+    if command == "verify":  # a correct output, then its config replaced by the broken writer's
+        assert CliRunner().invoke(cli, ["convert", str(src), str(dst), "--to", "ct"]).exit_code == 0
+        monkeypatch.setattr(ct, "quantization_config", no_fp8_groups)
+        import json
+
+        from mxfp4conv.inspect import analyze, writer_context
+
+        ckpt = open_checkpoint(src)
+        _, plan, _ = analyze(ckpt)
+        bad = ct.CtTarget().config(ckpt.config, writer_context(plan, ckpt, {"target": "ct"}))
+        (dst / "config.json").write_text(json.dumps(bad))
+        res = CliRunner().invoke(cli, ["verify", str(src), str(dst)])
+    else:
+        monkeypatch.setattr(ct, "quantization_config", no_fp8_groups)
+        res = CliRunner().invoke(cli, ["convert", str(src), str(dst), "--to", "ct"])
+        assert not dst.exists()
+    assert res.exit_code == 3, res.output
+    assert "gives it mxfp4, the source fp8-tensor" in res.stderr, res.stderr

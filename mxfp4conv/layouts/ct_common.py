@@ -12,7 +12,7 @@ from typing import Any
 from mxfp4conv.canonical import ModelFacts
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts.base import config_facts, expert_names
-from mxfp4conv.precision import Declared, Precision
+from mxfp4conv.precision import Declared, Precision, ct_group_precision
 
 FMT_KEY = "quantization_config.format"
 
@@ -58,20 +58,9 @@ def scheme(q: dict[str, Any]) -> str:
     groups = q.get("config_groups")
     if isinstance(groups, dict):
         for g in groups.values():
-            if isinstance(g, dict) and g.get("input_activations") and _group_precision(g) in ("mxfp4", "nvfp4"):
+            if isinstance(g, dict) and g.get("input_activations") and ct_group_precision(g) in ("mxfp4", "nvfp4"):
                 return "w4a4"
     return "w4a16"
-
-
-def _group_precision(group: dict[str, Any]) -> Precision | None:
-    w = group.get("weights")
-    if not isinstance(w, dict) or w.get("type") != "float":
-        return None
-    if w.get("num_bits") == 4:
-        return "mxfp4" if w.get("group_size") == 32 else "nvfp4" if w.get("group_size") == 16 else None
-    if w.get("num_bits") == 8:
-        return "fp8-block" if w.get("strategy") == "block" else "fp8-tensor" if w.get("strategy") == "tensor" else None
-    return None
 
 
 def _ignore(q: dict[str, Any]) -> list[str]:
@@ -93,7 +82,7 @@ def declared(ckpt: Checkpoint) -> Declared:
     groups = q.get("config_groups")
     for g in groups.values() if isinstance(groups, dict) else ():
         targets = g.get("targets") if isinstance(g, dict) else None
-        prec = _group_precision(g) if isinstance(g, dict) else None
+        prec = ct_group_precision(g) if isinstance(g, dict) else None
         for t in targets if isinstance(targets, list) else ():
             if not isinstance(t, str):
                 continue

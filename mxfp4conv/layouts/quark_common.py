@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from mxfp4conv.io.checkpoint import Checkpoint
-from mxfp4conv.precision import Declared, Precision
+from mxfp4conv.precision import Declared, Precision, quark_spec_precision
 
 
 def qconfig(ckpt: Checkpoint) -> dict[str, Any]:
@@ -25,18 +25,8 @@ def _first(spec: Any) -> dict[str, Any]:
     return spec if isinstance(spec, dict) else {}
 
 
-def spec_precision(cfg: Any) -> Precision | None:
-    """The precision of a Quark layer config's weights (None: not a scheme mxfp4conv carries)."""
-    w = _first(cfg.get("weight")) if isinstance(cfg, dict) else {}
-    if w.get("dtype") == "fp4" and w.get("qscheme") == "per_group":
-        return "mxfp4" if w.get("group_size") == 32 else "nvfp4" if w.get("group_size") == 16 else None
-    if w.get("dtype") == "fp8_e4m3" and w.get("qscheme") == "per_tensor":
-        return "fp8-tensor"
-    return None
-
-
 def global_precision(ckpt: Checkpoint) -> Precision | None:
-    return spec_precision(qconfig(ckpt).get("global_quant_config"))
+    return quark_spec_precision(qconfig(ckpt).get("global_quant_config"))
 
 
 def config_evidence(ckpt: Checkpoint, want: Precision) -> list[str]:
@@ -59,7 +49,7 @@ def declared(ckpt: Checkpoint) -> Declared:
     layers = q.get("layer_quant_config")
     listed: dict[str, Precision] = {}
     for key, cfg in layers.items() if isinstance(layers, dict) else ():
-        prec = spec_precision(cfg)
+        prec = quark_spec_precision(cfg)
         if prec is not None:
             listed[str(key)] = prec
     export = q.get("export")

@@ -28,6 +28,19 @@ def _fp8_spec(dynamic: bool) -> dict[str, Any]:
             "observer_cls": "PerTensorMinMaxObserver", "mx_element_dtype": None}
 
 
+def _fp8_block_spec(e8m0: bool) -> dict[str, Any]:
+    """128x128 block FP8 weights (vLLM QuarkW8A8Fp8PerBlock; ``scale_type`` float8_e8m0fnu for E8M0 scales)."""
+    return {"dtype": "fp8_e4m3", "qscheme": "per_block", "block_size": [128, 128], "ch_axis": None, "group_size": None,
+            "is_dynamic": False, "symmetric": True, "round_method": "half_even",
+            "scale_type": "float8_e8m0fnu" if e8m0 else "float", "scale_format": None, "mx_element_dtype": None}
+
+
+# activations of a block FP8 layer: dynamic, one scale per 128 input features of each token
+_FP8_GROUP_ACTS = {"dtype": "fp8_e4m3", "qscheme": "per_group", "group_size": 128, "ch_axis": -1, "is_dynamic": True,
+                   "symmetric": True, "round_method": "half_even", "scale_type": "float", "scale_format": None,
+                   "mx_element_dtype": None}
+
+
 def _layer(weight: dict[str, Any] | None, acts: dict[str, Any] | None, outputs: dict[str, Any] | None = None
            ) -> dict[str, Any]:
     return {"weight": weight, "input_tensors": acts, "output_tensors": outputs, "bias": None, "target_device": None}
@@ -43,8 +56,11 @@ def quantization_config(ctx: WriterContext) -> dict[str, Any]:
     if ctx.options.get("quark_activations", "mxfp4" if ctx.facts.scheme == "w4a4" else "none") == "mxfp4":
         acts = {**weight, "is_dynamic": True}
     layers: dict[str, Any] = {}
-    for lin in ctx.precision.fp8.values():  # per-tensor only: precision_refusal turned blocks away
-        layers[_quark_key(lin.module, ctx)] = _layer(_fp8_spec(False), _fp8_spec(False) if lin.input_scale else None)
+    for lin in ctx.precision.fp8.values():
+        if lin.kind == "fp8-block":
+            layers[_quark_key(lin.module, ctx)] = _layer(_fp8_block_spec(lin.scale_dtype == "F8_E8M0"), dict(_FP8_GROUP_ACTS))
+        else:
+            layers[_quark_key(lin.module, ctx)] = _layer(_fp8_spec(False), _fp8_spec(False) if lin.input_scale else None)
     kv_group: list[str] = []
     if ctx.precision.kv_cache == "fp8":
         kv_group = KV_CACHE_GROUP
@@ -93,7 +109,16 @@ class QuarkTarget(SplitTarget):
     PACKED = "weight"
 
     def refuse(self, ctx: WriterContext) -> str | None:
-        return precision_refusal(ctx, "Quark", fp8_block=False) or _kv_refusal(ctx)
+        return precision_refusal(ctx, "Quark", fp8_block=True, e8m0_block=True) or _kv_refusal(ctx)
+
+    def passthrough_name(self, name: str, ctx: WriterContext) -> str:
+        """Block FP8 scales are ``weight_scale`` in Quark (a multiplier, as DeepSeek's ``weight_scale_inv``
+        and DeepSeek-V4's ``scale``): same bytes, the name vLLM's Quark loader reads."""
+        module, _, suffix = name.rpartition(".")
+        lin = ctx.precision.fp8.get(module)
+        if lin is not None and lin.kind == "fp8-block" and suffix == lin.scale and suffix != "weight_scale":
+            return f"{module}.weight_scale"
+        return name
 
     def _fused(self, ctx: WriterContext) -> bool:
         return ctx.facts.model_type == "gpt_oss"

@@ -158,12 +158,11 @@ def _replica(root: Path, s: Sink, family: str, layout: str, scheme: str, kv: boo
                    runtime_names=runtime_names, kv_cache="fp8" if kv else None, expected_targets=targets,
                    fused=FUSED,
                    attention_layers=[f"model.layers.{n}.self_attn.attn" for n in range(LAYERS)], mla=True,
-                   renames={"ct": CT_RENAMES, "marlin": CT_RENAMES})
+                   renames={"ct": CT_RENAMES, "quark": CT_RENAMES, "marlin": CT_RENAMES})
 
 
-CT_RENAMES = {"weight_scale_inv": "weight_scale"}  # FP8 block scales: compressed-tensors' name
+CT_RENAMES = {"weight_scale_inv": "weight_scale"}  # FP8 block scales: the name compressed-tensors and Quark read
 ALL_CONVERT: dict[str, str | None] = {"ct": None, "quark": None, "marlin": None}
-QUARK_NO_BLOCK: dict[str, str | None] = {"ct": None, "quark": "fp8-block|no quark", "marlin": None}
 
 
 def modelopt_nvfp4_r1(root: Path) -> Replica:
@@ -209,9 +208,8 @@ def modelopt_mixed(root: Path, variant: str) -> Replica:
     write_json(root / "config.json", {**config(variant), "quantization_config": {
         **quant, "producer": producer, "quant_method": "modelopt"}})
     write_json(root / "hf_quant_config.json", {"producer": producer, "quantization": quant})
-    has_block = "fp8-block" in s.modules.values()
     return _replica(root, s, f"modelopt-mixed-{variant}", "modelopt-nvfp4", "w4a4", kv,
-                    QUARK_NO_BLOCK if has_block else ALL_CONVERT)
+                    ALL_CONVERT)
 
 
 def ct_mixed_nvfp4_fp8block(root: Path) -> Replica:
@@ -242,7 +240,7 @@ def ct_mixed_nvfp4_fp8block(root: Path) -> Replica:
               rf"re:model\.layers\.{MTP}\..*"]
     write_json(root / "config.json", {**config("deepseek_v3"),
                                       "quantization_config": ct_config(groups, ignore, fmt="mixed-precision")})
-    return _replica(root, s, "ct-mixed-nvfp4-fp8block-deepseek-r1", "ct-nvfp4", "w4a4", False, QUARK_NO_BLOCK)
+    return _replica(root, s, "ct-mixed-nvfp4-fp8block-deepseek-r1", "ct-nvfp4", "w4a4", False, ALL_CONVERT)
 
 
 def _quark_weight_mx() -> dict[str, Any]:
