@@ -9,7 +9,8 @@ from __future__ import annotations
 from mxfp4conv.canonical import Canonical, FP4Weight, MoELayer, UnitSpec
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts import ct_common
-from mxfp4conv.layouts.base import LinearRoles, Plan, Problem, plan_split_layout, read_split_unit
+from mxfp4conv.layouts.base import Plan, Problem
+from mxfp4conv.layouts.split import LinearRoles, plan_split_layout, read_split_unit
 
 NAME = "ct-mxfp4"
 FORMAT = "mxfp4-pack-quantized"

@@ -9,7 +9,8 @@ from __future__ import annotations
 from mxfp4conv.canonical import Canonical, UnitSpec
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts import ct_common
-from mxfp4conv.layouts.base import LinearRoles, Plan, plan_split_layout, read_split_unit
+from mxfp4conv.layouts.base import Plan
+from mxfp4conv.layouts.split import LinearRoles, plan_split_layout, read_split_unit
 
 NAME = "ct-nvfp4"
 FORMAT = "nvfp4-pack-quantized"

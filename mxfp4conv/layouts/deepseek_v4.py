@@ -12,7 +12,8 @@ import re
 
 from mxfp4conv.canonical import Canonical, UnitSpec
 from mxfp4conv.io.checkpoint import Checkpoint
-from mxfp4conv.layouts.base import LinearRoles, Plan, config_facts, plan_split_layout, read_split_unit
+from mxfp4conv.layouts.base import Plan, config_facts
+from mxfp4conv.layouts.split import LinearRoles, plan_split_layout, read_split_unit
 from mxfp4conv.precision import Declared
 
 NAME = "deepseek-v4-mxfp4"

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 from mxfp4conv.canonical import Canonical, FP4Weight, MoELayer, Passthrough, UnitSpec
 from mxfp4conv.errors import InputError
 from mxfp4conv.io.checkpoint import Checkpoint
-from mxfp4conv.layouts.base import Plan, Problem, _natural, config_facts
+from mxfp4conv.layouts.base import Plan, Problem, config_facts, natural_key
 from mxfp4conv.precision import Declared, fnmatch_to_re
 
 NAME = "gpt-oss"
@@ -94,7 +94,7 @@ def plan(ckpt: Checkpoint) -> Plan:
     for name in t:
         if name not in consumed:
             units.append(UnitSpec("passthrough", name, (name,)))
-    units.sort(key=lambda u: _natural(u.key))
+    units.sort(key=lambda u: natural_key(u.key))
     return Plan(NAME, facts, units, problems)
 
 

@@ -15,14 +15,8 @@ from typing import Any
 from mxfp4conv.canonical import Canonical, UnitSpec
 from mxfp4conv.errors import InputError
 from mxfp4conv.io.checkpoint import Checkpoint
-from mxfp4conv.layouts.base import (
-    LinearRoles,
-    Plan,
-    config_facts,
-    expert_names,
-    plan_split_layout,
-    read_split_unit,
-)
+from mxfp4conv.layouts.base import Plan, config_facts, expert_names
+from mxfp4conv.layouts.split import LinearRoles, plan_split_layout, read_split_unit
 from mxfp4conv.precision import Declared, Precision
 
 NAME = "modelopt-nvfp4"

@@ -9,15 +9,8 @@ from __future__ import annotations
 from mxfp4conv.canonical import Canonical, UnitSpec
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts import quark_common
-from mxfp4conv.layouts.base import (
-    LinearRoles,
-    Plan,
-    Problem,
-    config_facts,
-    expert_names,
-    plan_split_layout,
-    read_split_unit,
-)
+from mxfp4conv.layouts.base import Plan, Problem, config_facts, expert_names
+from mxfp4conv.layouts.split import LinearRoles, plan_split_layout, read_split_unit
 
 NAME = "quark-mxfp4"
 ROLES = LinearRoles(packed="weight", scale="weight_scale", scale_dtype="U8", group=32, quant="mxfp4")

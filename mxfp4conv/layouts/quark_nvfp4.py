@@ -10,14 +10,8 @@ from __future__ import annotations
 from mxfp4conv.canonical import Canonical, UnitSpec
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts import quark_common
-from mxfp4conv.layouts.base import (
-    LinearRoles,
-    Plan,
-    config_facts,
-    expert_names,
-    plan_split_layout,
-    read_split_unit,
-)
+from mxfp4conv.layouts.base import Plan, config_facts, expert_names
+from mxfp4conv.layouts.split import LinearRoles, plan_split_layout, read_split_unit
 
 NAME = "quark-nvfp4"
 ROLES = LinearRoles(packed="weight", scale="weight_scale", scale_dtype="F8_E4M3", group=16, quant="nvfp4",
