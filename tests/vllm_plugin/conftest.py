@@ -43,7 +43,7 @@ def qwen3_nvfp4(root: Path) -> Path:
 def convert(src: Path, dst: Path, *extra: str) -> Path:
     res = CliRunner().invoke(cli, ["convert", str(src), str(dst), "--to", "marlin", "--device", "cpu", *extra])
     if res.exit_code != 0:
-        raise RuntimeError(f"convert {src.name} {' '.join(extra)}: {res.stderr}")
+        raise RuntimeError(f"convert {src.name} {' '.join(extra)}: {res.stderr or res.output} {res.exception!r}")
     return dst
 
 
