@@ -1,7 +1,8 @@
 """Reference loader for Marlin-ready shards (pure PyTorch + safetensors, no vLLM dependency).
 
-A server that wants to skip vLLM's load-time Marlin preparation uses this as the spec of what to
-check and how tensors map onto the prepared parameters. See docs/serving-marlin.md.
+vLLM 0.32-0.33 serves these shards through mxfp4conv's vLLM plugin (``pip install 'mxfp4conv[vllm]'``,
+docs/serving-marlin.md). A server integrating them its own way uses this as the spec of what to
+check and how tensors map onto the prepared parameters.
 """
 
 from __future__ import annotations
