@@ -13,12 +13,11 @@ import re
 from mxfp4conv.canonical import Canonical, UnitSpec
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts.base import Plan, config_facts
-from mxfp4conv.layouts.split import LinearRoles, plan_split_layout, read_split_unit
+from mxfp4conv.layouts.split import DEEPSEEK_V4_MXFP4, plan_split_layout, read_split_unit
 from mxfp4conv.precision import Declared
 
 NAME = "deepseek-v4-mxfp4"
-ROLES = LinearRoles(packed="weight", scale="scale", scale_dtype="F8_E8M0", group=32, quant="mxfp4",
-                    packed_dtypes=("I8", "U8"))
+ROLES = DEEPSEEK_V4_MXFP4
 _EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 
 

@@ -16,7 +16,7 @@ from mxfp4conv.canonical import Canonical, UnitSpec
 from mxfp4conv.errors import InputError
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts.base import Plan, config_facts, expert_names
-from mxfp4conv.layouts.split import LinearRoles, plan_split_layout, read_split_unit
+from mxfp4conv.layouts.split import DEEPSEEK_V4_MXFP4, LinearRoles, plan_split_layout, read_split_unit
 from mxfp4conv.precision import Declared, Precision
 
 NAME = "modelopt-nvfp4"
@@ -102,8 +102,9 @@ def plan(ckpt: Checkpoint) -> Plan:
             w4a4 = w is not None and w.dtype == "U8"
     facts = config_facts(ckpt.config, scheme="w4a4" if w4a4 else "w4a16", quant="nvfp4", expert_names=expert_names(ckpt),
                          ignore=tuple(str(x) for x in exclude if isinstance(x, str)))
-    return plan_split_layout(ckpt, NAME, ROLES, facts)
+    return plan_split_layout(ckpt, NAME, ROLES, facts, also=(DEEPSEEK_V4_MXFP4,))
 
 
 def read(ckpt: Checkpoint, spec: UnitSpec, *, pin: bool = False) -> Canonical:
-    return read_split_unit(ckpt, spec, ROLES, pin=pin)
+    roles = DEEPSEEK_V4_MXFP4 if spec.extra.get("roles") == "1" else ROLES  # V4's MXFP4 MTP experts
+    return read_split_unit(ckpt, spec, roles, pin=pin)

@@ -7,6 +7,7 @@ checkpoint's tensors into MoE, dense FP4 and passthrough units from headers alon
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.io.safetensors_io import TensorRef, read_many, tensor_view
 from mxfp4conv.layouts.base import EXPERT_RE, Plan, Problem, natural_key
 
-__all__ = ["LinearRoles", "plan_split_layout", "read_split_unit"]
+__all__ = ["DEEPSEEK_V4_MXFP4", "LinearRoles", "plan_split_layout", "read_split_unit"]
 
 _GATE_UP_DOWN = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
@@ -46,6 +47,11 @@ class LinearRoles:
 
     def owned(self) -> tuple[str, ...]:
         return tuple(s for s in (self.packed, self.scale, self.global_scale, self.input_scale, "bias") if s)
+
+
+# DeepSeek-V4's native MXFP4 experts: packed E2M1 as I8 ``weight``, E8M0 block scales as F8_E8M0 ``scale``
+DEEPSEEK_V4_MXFP4 = LinearRoles(packed="weight", scale="scale", scale_dtype="F8_E8M0", group=32, quant="mxfp4",
+                                packed_dtypes=("I8", "U8"))
 
 
 def _is_fp4_primary(ref: TensorRef, roles: LinearRoles, tensors: dict[str, TensorRef]) -> bool:
@@ -107,14 +113,33 @@ def _check_linear(ckpt: Checkpoint, module: str, roles: LinearRoles, problems: l
 
 def plan_split_layout(ckpt: Checkpoint, layout: str, roles: LinearRoles, facts: ModelFacts,
                       fused: Callable[[Checkpoint, set[str], list[Problem], list[UnitSpec]], None] | None = None,
-                      ) -> Plan:
-    """Group a split-expert checkpoint's tensors into MoE, dense FP4 and passthrough units."""
+                      also: tuple[LinearRoles, ...] = ()) -> Plan:
+    """Group a split-expert checkpoint's tensors into MoE, dense FP4 and passthrough units.
+
+    ``also``: further FP4 naming schemes in the same checkpoint (NVIDIA's DeepSeek-V4 NVFP4 release keeps
+    V4-native MXFP4 experts in its MTP layers); their units record the scheme's index as ``extra["roles"]``.
+    """
     tensors = ckpt.tensors
     problems: list[Problem] = []
     units: list[UnitSpec] = []
     consumed: set[str] = set()
+    for index, r in enumerate((roles, *also)):
+        found = _plan_roles(ckpt, r, facts, problems, consumed, fused if index == 0 else None)
+        units += [dataclasses.replace(u, extra={**u.extra, "roles": str(index)}) if index else u for u in found]
+    for name in sorted((n for n in tensors if n not in consumed), key=natural_key):  # keys of the few left only
+        units.append(UnitSpec("passthrough", name, (name,)))
+    units.sort(key=lambda u: natural_key(u.key))
+    return Plan(layout, facts, units, problems)
+
+
+def _plan_roles(ckpt: Checkpoint, roles: LinearRoles, facts: ModelFacts, problems: list[Problem], consumed: set[str],
+                fused: Callable[[Checkpoint, set[str], list[Problem], list[UnitSpec]], None] | None) -> list[UnitSpec]:
+    """The MoE and dense FP4 units of one naming scheme; their tensors join ``consumed``."""
+    tensors = ckpt.tensors
+    units: list[UnitSpec] = []
     suffix = "." + roles.packed
-    primaries = sorted(n for n, r in tensors.items() if n.endswith(suffix) and _is_fp4_primary(r, roles, tensors))
+    primaries = sorted(n for n, r in tensors.items() if n.endswith(suffix) and n not in consumed
+                       and _is_fp4_primary(r, roles, tensors))
     experts: dict[str, dict[int, dict[str, str]]] = {}
     for name in primaries:
         module = name[: -len(suffix)]
@@ -142,10 +167,7 @@ def plan_split_layout(ckpt: Checkpoint, layout: str, roles: LinearRoles, facts: 
         unit = _plan_moe(ckpt, prefix, experts[prefix], roles, facts, problems, consumed)
         if unit:
             units.append(unit)
-    for name in sorted((n for n in tensors if n not in consumed), key=natural_key):  # keys of the few left only
-        units.append(UnitSpec("passthrough", name, (name,)))
-    units.sort(key=lambda u: natural_key(u.key))
-    return Plan(layout, facts, units, problems)
+    return units
 
 
 def _plan_moe(ckpt: Checkpoint, prefix: str, by_expert: dict[int, dict[str, str]], roles: LinearRoles,

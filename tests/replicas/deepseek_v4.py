@@ -19,8 +19,7 @@ from .common import Replica, Sink, identity_names, write_json, write_side_files
 
 H, Q_LORA, HEADS, HEAD_DIM, MOE_I, EXPERTS, VOCAB, LAYERS = 128, 64, 2, 64, 64, 4, 256, 2
 # compressed-tensors has no FP8 scheme with E8M0 block scales; Quark's per_block with scale_type float8_e8m0fnu
-# is one. The NVIDIA release's MXFP4 MTP experts sit beside NVFP4 experts under V4's own names: refused.
-REFUSED: dict[str, str | None] = {"ct": "e8m0", "quark": "fp4 weights in a naming", "marlin": "e8m0"}
+# is one (vLLM QuarkW8A8Fp8PerBlock).
 QUARK_ONLY: dict[str, str | None] = {"ct": "e8m0", "quark": None, "marlin": "e8m0"}
 
 
@@ -94,8 +93,8 @@ def modelopt_nvfp4_v4(root: Path) -> Replica:
     attention and shared experts, MXFP4 MTP experts."""
     s = _build(root, nvfp4=True, seed=51)
     return Replica(path=root, family="modelopt-nvfp4-deepseek-v4", layout="modelopt-nvfp4", scheme="w4a4",
-                   modules=dict(s.modules), runtime_names=identity_names, kv_cache=None, expected_targets=REFUSED,
-                   expert_projs=("w1", "w3", "w2"))
+                   modules=dict(s.modules), runtime_names=identity_names, kv_cache=None, expected_targets=QUARK_ONLY,
+                   expert_projs=("w1", "w3", "w2"), renames={"quark": {"scale": "weight_scale"}})
 
 
 def native_mxfp4_v4(root: Path) -> Replica:
