@@ -14,8 +14,12 @@ from mxfp4conv.precision import (
     Fp8Linear,
     Precision,
     build_precision,
+    ct_group_precision,
+    expert_container,
     fnmatch_to_re,
     matches,
+    mtp_runtime_name,
+    quark_spec_precision,
     runtime_pattern,
 )
 
@@ -108,6 +112,70 @@ def test_runtime_pattern_golden(module: str, layers: int, want: str) -> None:
 def test_runtime_pattern_past_the_last_layer_by_more_than_one() -> None:
     got = runtime_pattern("model.layers.63.mlp.experts.0.w1", 61)
     assert matches(got, "model.layers.63.mtp_block.mlp.experts.0.w1") and matches(got, "model.layers.63.mlp.experts.0.w1")
+
+
+@pytest.mark.parametrize(("module", "layers", "want"), [
+    ("model.layers.3.mlp.experts", 3, r"re:model\.layers\.3\.(mtp_block\.)?mlp\.experts(\..*)?$"),
+    ("model.layers.2.mlp.experts", 3, r"re:model\.layers\.2\.mlp\.experts(\..*)?$"),
+    ("lm_head", 3, r"re:lm_head(\..*)?$"),
+])
+def test_runtime_pattern_with_children(module: str, layers: int, want: str) -> None:
+    got = runtime_pattern(module, layers, children=True)
+    assert got == want
+    assert matches(got, module) and matches(got, module + ".0.gate_proj") and not matches(got, module + "_x")
+
+
+@pytest.mark.parametrize(("module", "layers", "want"), [
+    ("model.layers.61.self_attn.q_a_proj", 61, "model.layers.61.mtp_block.self_attn.q_a_proj"),
+    ("model.layers.60.self_attn.q_a_proj", 61, None),
+    ("model.layers.61.self_attn.q_a_proj", 0, None),
+    ("mtp.0.ffn.experts.0.w1", 2, None),
+])
+def test_mtp_runtime_name(module: str, layers: int, want: str | None) -> None:
+    assert mtp_runtime_name(module, layers) == want
+
+
+@pytest.mark.parametrize(("module", "want"), [
+    ("model.layers.3.mlp.experts.0.gate_proj", "model.layers.3.mlp.experts"),
+    ("layers.0.ffn.experts.12.w1", "layers.0.ffn.experts"),
+    ("model.layers.3.mlp.experts.gate_up_proj", None),
+    ("model.layers.3.mlp.shared_experts.gate_proj", None),
+    ("model.layers.3.mlp.experts.0.gate_proj.weight_packed", None),
+])
+def test_expert_container(module: str, want: str | None) -> None:
+    assert expert_container(module) == want
+
+
+FP8_SPEC = {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False}
+
+
+@pytest.mark.parametrize(("spec", "want"), [
+    ({"weight": {"dtype": "fp4", "qscheme": "per_group", "group_size": 32}}, "mxfp4"),
+    ({"weight": [{"dtype": "fp4", "qscheme": "per_group", "group_size": 16}, FP8_SPEC]}, "nvfp4"),
+    ({"weight": FP8_SPEC}, "fp8-tensor"),
+    ({"weight": {"dtype": "fp8_e4m3", "qscheme": "per_block", "block_size": [128, 128]}}, "fp8-block"),
+    ({"weight": {"dtype": "fp8_e4m3", "qscheme": "per_block", "block_size": [1, 128]}}, None),
+    ({"weight": {"dtype": "fp8_e4m3", "qscheme": "per_channel"}}, None),
+    ({"weight": {"dtype": "fp4", "qscheme": "per_group", "group_size": 64}}, None),
+    ({"weight": None}, None),
+    ({"weight": []}, None),
+    ("not a dict", None),
+])
+def test_quark_spec_precision(spec: object, want: str | None) -> None:
+    assert quark_spec_precision(spec) == want
+
+
+@pytest.mark.parametrize(("weights", "want"), [
+    ({"type": "float", "num_bits": 4, "group_size": 32}, "mxfp4"),
+    ({"type": "float", "num_bits": 4, "group_size": 16}, "nvfp4"),
+    ({"type": "float", "num_bits": 8, "strategy": "tensor"}, "fp8-tensor"),
+    ({"type": "float", "num_bits": 8, "strategy": "block", "block_structure": [128, 128]}, "fp8-block"),
+    ({"type": "float", "num_bits": 8, "strategy": "channel"}, None),
+    ({"type": "int", "num_bits": 4, "group_size": 32}, None),
+    (None, None),
+])
+def test_ct_group_precision(weights: dict[str, object] | None, want: str | None) -> None:
+    assert ct_group_precision({"weights": weights, "targets": ["Linear"]}) == want
 
 
 # ---------------------------------------------------------------------------------------------- build_precision
@@ -217,6 +285,17 @@ def test_model_carries_the_declaration() -> None:
     assert list(model.fp8) == ["o", "q"] and model.bf16 == ("k",)
     assert model.counts(fp4_experts=24, fp4_dense=2) == {"fp4_experts": 24, "fp4_dense": 2, "fp8_tensor": 1,
                                                           "fp8_block": 1, "bf16": 1}
+
+
+def test_counts_include_foreign_fp4_modules() -> None:
+    linears, tensors = _header({
+        "model.layers.0.mlp.experts.0.w1": ("I8", (64, 32), {"scale": ("F8_E8M0", (64, 2))}),
+        "model.layers.0.mlp.experts.1.w1": ("I8", (64, 32), {"scale": ("F8_E8M0", (64, 2))}),
+        "model.layers.0.mlp.shared.w1": ("I8", (64, 32), {"scale": ("F8_E8M0", (64, 2))}),
+    })
+    model, _ = build_precision(linears, tensors, [], Declared())
+    assert model.counts(fp4_experts=6, fp4_dense=0) == {"fp4_experts": 8, "fp4_dense": 1, "fp8_tensor": 0,
+                                                         "fp8_block": 0, "bf16": 0}
 
 
 # ---------------------------------------------------------------------------------------------- cross-check
