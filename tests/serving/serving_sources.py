@@ -38,6 +38,10 @@ from tiny import build as tiny_build  # noqa: E402
 
 H, INTER, EXPERTS, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 128, 64, 4, 2, 4, 2, 32, 256
 PROMPT_LEN = 24
+# Router-logit gap (k-th vs (k+1)-th expert), relative to the RMS of that layer's router logits, under
+# which bf16 compute may pick the other expert: bf16 keeps 8 significant bits (0.4%), and the hidden
+# states reaching the router carry that error from every op before it.
+ROUTING_TIE = 0.03
 IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*self_attn.*"]
 
 
@@ -142,11 +146,39 @@ def build_gpt_oss(root: Path) -> Path:
 
 # ----------------------------------------------------------------------------- references
 def log_probs(model: torch.nn.Module, prompt_list: list[list[int]]) -> torch.Tensor:
-    """[prompts, positions, vocab] float64 log-softmax of the float32 model's logits."""
+    """[prompts, positions, vocab] float64 log-softmax of the model's logits."""
+    return forward(model, prompt_list)[0]
+
+
+def forward(model: torch.nn.Module, prompt_list: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs [prompts, positions, vocab] float64, routing gaps [prompts, positions]).
+
+    The routing gap of a token is, over every MoE layer, the smallest difference between the router
+    logits of its k-th and (k+1)-th expert (k = experts per token), divided by the RMS of that layer's
+    router logits over all tokens: where it is tiny, the same weights
+    computed in another precision may route the token to another expert (a near tie, not an error).
+    """
     ids = torch.tensor(prompt_list)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits.float()
-    return torch.log_softmax(logits.double(), dim=-1)
+    top_k = int(model.config.num_experts_per_tok)
+    gaps: list[torch.Tensor] = []
+
+    def hook(mod: torch.nn.Module, inp: tuple[torch.Tensor, ...], _out: object) -> None:
+        x = inp[0].reshape(-1, inp[0].shape[-1]).double()
+        bias = getattr(mod, "bias", None)
+        logits = torch.nn.functional.linear(x, mod.weight.double(), None if bias is None else bias.double())
+        top = logits.topk(top_k + 1, dim=-1).values
+        rms = logits.pow(2).mean().sqrt()
+        gaps.append(((top[:, top_k - 1] - top[:, top_k]) / rms).reshape(ids.shape))
+
+    handles = [getattr(layer.mlp, "router", None) or layer.mlp.gate for layer in model.model.layers]
+    hooks = [h.register_forward_hook(hook) for h in handles]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.log_softmax(logits.double(), dim=-1), torch.stack(gaps).amin(0)
 
 
 def reference(kind: str, folder: Path, src: MoeSource | None = None) -> torch.nn.Module:
@@ -165,10 +197,18 @@ def reference(kind: str, folder: Path, src: MoeSource | None = None) -> torch.nn
     raise ValueError(kind)
 
 
-def top20_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| over ``a``'s 20 most likely tokens at every position."""
+def top20_error(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor | None = None) -> float:
+    """max |a - b| over ``a``'s 20 most likely tokens at every position (where ``keep`` [prompts,
+    positions] is True, when given)."""
     idx = a.topk(20, dim=-1).indices
-    return float((a.gather(-1, idx) - b.gather(-1, idx)).abs().max())
+    d = (a.gather(-1, idx) - b.gather(-1, idx)).abs().amax(-1)
+    return float(d[keep].max() if keep is not None else d.max())
+
+
+def mean_top20_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The mean over positions of max |a - b| over ``a``'s 20 most likely tokens."""
+    idx = a.topk(20, dim=-1).indices
+    return float((a.gather(-1, idx) - b.gather(-1, idx)).abs().amax(-1).mean())
 
 
 def requantized_reference(folder: Path) -> torch.nn.Module:
@@ -188,6 +228,7 @@ class Served:
     root: Path
     results: dict[str, dict[str, Any]]
     refs: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [prompts, positions, vocab] log-probs
+    gaps: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> routing gaps [prompts, positions]
     bf16_error: dict[str, float] = field(default_factory=dict)  # source -> E(transformers bf16, float32)
     prompts: list[list[int]] = field(default_factory=list)
     convert_errors: dict[str, str] = field(default_factory=dict)

