@@ -22,7 +22,8 @@ def mixed_nvfp4(root: Path, *, fp8_k_proj: bool = False, kv_cache: bool = True) 
     """ModelOpt NVFP4 experts (W4A4) in a 2-layer Qwen3-MoE, beside: FP8 per-tensor ``layers.0 o_proj`` (static
     input scale), FP8 128x128-block ``layers.0 q_proj`` (DeepSeek ``weight_scale_inv`` F32), BF16 attention in
     layer 1, an unlisted BF16 ``shared_expert_gate``, an MTP layer ``model.layers.2`` (past num_hidden_layers)
-    with a BF16 ``eh_proj`` and an FP8 ``o_proj`` (no input scale), k/v scales and ``kv_cache_quant_algo: FP8``."""
+    with a BF16 ``eh_proj`` and an FP8 ``o_proj`` (no input scale), k/v scales and ``kv_cache_quant_algo: FP8``.
+    ``fp8_k_proj``: layer 0's k_proj is FP8 per-tensor too (and not excluded)."""
 
     def expert(t: builders.Tensors, module: str, n: int, k: int) -> None:
         t.nvfp4(module, n, k, packed="weight", global_scale="weight_scale_2", divisor=False, input_scale="input_scale")
@@ -39,8 +40,9 @@ def mixed_nvfp4(root: Path, *, fp8_k_proj: bool = False, kv_cache: bool = True) 
         t.bf16(f"{MTP}.eh_proj", 64, 128)
         t.fp8_tensor(f"{MTP}.self_attn.o_proj", 64, 64, input_scale=False)
 
+    exclude = [e for e in EXCLUDE if not (fp8_k_proj and e.endswith(".k_proj"))]
     quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8" if kv_cache else None, "group_size": 16,
-             "exclude_modules": EXCLUDE}
+             "exclude_modules": exclude}
     return builders.moe_checkpoint(root, expert, {"quant_method": "modelopt", **quant}, extra=extra, shards=1,
                                    hf_quant_config={"producer": {"name": "modelopt"}, "quantization": quant})
 
