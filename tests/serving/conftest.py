@@ -138,6 +138,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
             sv.convert_errors["deepseek_r1--quark"] = err
         else:
             add("deepseek_r1--quark", out / "deepseek_r1--quark")
+            S.quark_dense_to_bf16(out / "deepseek_r1--quark", out / "deepseek_r1--quark--bf16-dense-w4a16")
+            add("deepseek_r1--quark--bf16-dense-w4a16", out / "deepseek_r1--quark--bf16-dense-w4a16")
     except Exception as e:  # the replica module is being written: report, do not hide
         sv.convert_errors["deepseek_r1--quark"] = f"replica build: {type(e).__name__}: {e}"
     sv.seconds["build+convert"] = time.perf_counter() - t

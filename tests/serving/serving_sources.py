@@ -20,6 +20,7 @@ Nothing here imports mxfp4conv.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,6 +204,51 @@ def top20_error(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor | None = No
     idx = a.topk(20, dim=-1).indices
     d = (a.gather(-1, idx) - b.gather(-1, idx)).abs().amax(-1)
     return float(d[keep].max() if keep is not None else d.max())
+
+
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def quark_dense_to_bf16(src: Path, dst: Path) -> list[str]:
+    """Copy of a Quark MXFP4 output whose dense (non-expert) MXFP4 Linears are dequantized to BF16 and
+    excluded, and whose activations are left unquantized (W4A16): what vLLM's CPU build could run of
+    it if dense MXFP4 Linears and MXFP4 activations were its only limits. Returns the modules changed."""
+    import re
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    tensors: dict[str, torch.Tensor] = {}
+    where: dict[str, Path] = {}
+    for f in sorted(dst.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():  # noqa: SIM118
+                tensors[k], where[k] = fh.get_tensor(k), f
+    changed = []
+    for k in list(tensors):
+        scale = tensors.get(k + "_scale")
+        if (k.endswith(".weight") and tensors[k].dtype == torch.uint8 and scale is not None
+                and scale.dtype == torch.uint8 and not re.search(r"\.experts\.\d+\.", k)):
+            p = tensors[k]
+            codes = torch.stack([p & 15, p >> 4], dim=-1).reshape(p.shape[0], -1).long()
+            w = _E2M1[codes] * torch.exp2(scale.float() - 127).repeat_interleave(32, dim=1)
+            tensors[k] = w.to(torch.bfloat16)
+            del tensors[k + "_scale"]
+            changed.append(k.removesuffix(".weight"))
+    for f in sorted(set(where.values())):
+        save_file({k: v for k, v in tensors.items() if where[k] == f}, str(f), metadata={"format": "pt"})
+    index = dst / "model.safetensors.index.json"
+    if index.exists():
+        doc = json.loads(index.read_text())
+        doc["weight_map"] = {k: v for k, v in doc["weight_map"].items() if k in tensors}
+        index.write_text(json.dumps(doc))
+    cfg = json.loads((dst / "config.json").read_text())
+    q = cfg["quantization_config"]
+    q["exclude"] = [*q.get("exclude", []), *changed]
+    q["global_quant_config"]["input_tensors"] = None
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return changed
 
 
 def mean_top20_error(a: torch.Tensor, b: torch.Tensor) -> float:

