@@ -206,9 +206,15 @@ def _json_bytes(obj: Any) -> bytes:
 def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress: Progress | None = None) -> ConvertReport:
     """Convert SRC into DST (see module docstring). Raises ``ConvertError`` subclasses."""
     t_start = time.perf_counter()
+    # a GPU named outright starts (torch's import, CUDA) beside the planning; ``auto`` only once
+    # the plan shows a requant, so renames never import torch
+    early = not opts.dry_run and (opts.device.startswith("cuda") or any(d.startswith("cuda") for d in opts.devices))
+    if early:
+        _start_device(opts)
     job = prepare(src, opts)
     ctx, plan, target = job.ctx, job.plan, job.target
-    warm = _start_device(opts) if needs_device(ctx) else None
+    if needs_device(ctx) and not early:
+        _start_device(opts)
     opts = dataclasses.replace(opts, device=resolve_device(opts.device, needs_device(ctx)))
     job = job.with_options(opts)
     dst = Path(dst)
@@ -244,8 +250,6 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
     keep_staging = opts.resume or opts.partition is not None or opts.finish
     verifier = InlineVerifier(target, str(src), str(dst)) if opts.verify else None
     try:
-        if warm is not None:
-            warm.join()
         outputs, reused = _write_all(job, shard_plans, staging, report, on_progress, (finished, fingerprint), verifier)
         if opts.partition is not None:
             report.status = "partial"
@@ -289,9 +293,9 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
 
 
 def _start_device(opts: ConvertOptions) -> threading.Thread | None:
-    """For a GPU conversion, import torch and start CUDA on a helper thread while SRC is planned (a
-    fresh process spends seconds there); None when no GPU is asked for."""
-    wanted = opts.device in ("cuda", "auto") or any(d.startswith("cuda") for d in opts.devices) or opts.device.startswith("cuda:")
+    """For a GPU conversion, import torch and start CUDA on a helper thread while SRC is planned and
+    its first units are read (a fresh process spends seconds there); None when no GPU is asked for."""
+    wanted = opts.device in ("cuda", "auto") or opts.device.startswith("cuda:") or any(d.startswith("cuda") for d in opts.devices)
     if not wanted or opts.dry_run:
         return None
 

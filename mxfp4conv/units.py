@@ -49,7 +49,9 @@ def _read(spec: UnitSpec, job: Job, ctx: WriterContext, device: str = "cpu") -> 
     if pin:
         import torch
 
-        pin = torch.cuda.is_available()
+        # before CUDA has started (it starts on a helper thread meanwhile) the first units are read
+        # into ordinary memory, so their reads overlap the start; the GPU driver stages them itself
+        pin = torch.cuda.is_available() and torch.cuda.is_initialized()
         if pin:
             use_fast_pinning()
     return job.layout.read(job.ckpt, spec, pin=pin), time.perf_counter() - t0
