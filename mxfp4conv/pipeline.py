@@ -308,6 +308,9 @@ def _start_device(opts: ConvertOptions) -> threading.Thread | None:
 
                 use_fast_pinning()  # before the first pinned allocation
                 torch.cuda.init()
+                from mxfp4conv.kernels.requant_triton import _jit
+
+                _jit()  # triton and the kernel module, imported before the first unit needs them
 
     t = threading.Thread(target=start, name="mxfp4conv-device-start", daemon=True)
     t.start()
