@@ -3,15 +3,17 @@ GPT-OSS's per-expert fused names, and refusals."""
 
 from __future__ import annotations
 
+import fnmatch
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
-from mxfp4conv.canonical import FP4Weight, MoELayer
-from mxfp4conv.precision import matches
+from mxfp4conv.canonical import FP4Weight, ModelFacts, MoELayer
+from mxfp4conv.precision import Fp8Linear, PrecisionModel, matches
 from mxfp4conv.resolve import resolve_quark
-from mxfp4conv.writers import get_target
+from mxfp4conv.writers import WriterContext, get_target
 from mxfp4conv.writers.quark import KV_CACHE_GROUP
 from tests.writers.helpers import A0, A1, MTP, context, mixed_nvfp4
 
@@ -120,3 +122,19 @@ def test_gpt_oss_experts_use_per_expert_fused_names(gpt_oss: Path) -> None:
     back = QUARK.decode(spec, ctx, written.__getitem__)
     assert isinstance(back, MoELayer) and back.w13_bias is not None and unit.w13_bias is not None
     assert torch.equal(back.w13.packed, unit.w13.packed) and torch.equal(back.w13_bias, unit.w13_bias)
+
+
+@pytest.mark.parametrize("module", ["model.layers.2.self_attn.o_proj", "model.language_model.layers.2.self_attn.o_proj",
+                                    "layers.2.attn.wq_a"])
+def test_an_mtp_fp8_layer_key_matches_both_runtime_names(module: str) -> None:
+    """Layer 2 of a 2-layer model is an MTP layer: its layer_quant_config key (fnmatch, it holds ``*``) must match
+    the checkpoint's name and vLLM's ``layers.2.mtp_block.`` name, whatever precedes ``layers.``."""
+    facts = ModelFacts("deepseek_v3", "X", "w4a16", "mxfp4", 2, 4, 64, 32)
+    lin = Fp8Linear(module, "fp8-tensor", "weight_scale", "F32")
+    ctx = WriterContext(facts, "modelopt-nvfp4", [], {}, {}, PrecisionModel(fp8={module: lin}))
+    q = QUARK.config({}, ctx)["quantization_config"]
+    assert isinstance(q, dict)
+    (key,) = q["layer_quant_config"]
+    renamed = module.replace("layers.2.", "layers.2.mtp_block.")
+    assert "*" in key and fnmatch.fnmatch(module, key) and fnmatch.fnmatch(renamed, key), key
+    assert resolve_quark(q, module) == resolve_quark(q, renamed) == "fp8-tensor"
