@@ -130,3 +130,16 @@ def test_gpt_oss_models_are_refused(gpt_oss: Path) -> None:
     ctx, _ = context(gpt_oss)
     assert CT.refuse(ctx) == ("vLLM's GPT-OSS loader reads only its native mxfp4 and the quark layouts; "
                               "use --to gpt-oss or --to quark")
+
+
+def test_an_autoround_source_gets_a_compressed_tensors_config(tmp_path: Path) -> None:
+    src = builders.autoround_mxfp4(tmp_path / "ar", act_bits=4, shards=1,
+                                   extra_config={"model.layers.0.self_attn.q_proj": {"bits": 16}})
+    q = _q(src)
+    assert q["quant_method"] == "compressed-tensors" and q["format"] == "mxfp4-pack-quantized"
+    assert list(q["config_groups"]) == ["group_0"]
+    assert q["config_groups"]["group_0"]["input_activations"]["num_bits"] == 4  # act_bits 4: W4A4
+    assert q["ignore"][0] == "model.layers.0.self_attn.q_proj"  # the source's own 16-bit module first
+    bf16 = [f"model.layers.{n}.self_attn.{p}" for n in range(2) for p in ("k_proj", "o_proj", "q_proj", "v_proj")]
+    assert set(q["ignore"]) == {"lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate", *bf16}
+    assert resolve_ct(q, "model.layers.1.mlp.experts.0.up_proj") == "mxfp4"
