@@ -137,8 +137,11 @@ def lossless_bound(served: Served, key: str) -> float:
 
 
 def result(served: Served, name: str) -> dict[str, Any]:
-    if name in served.convert_errors:
-        pytest.fail(f"convert failed for {name}: {served.convert_errors[name]}")
+    base = name.split("--")[0] + "--" + name.split("--")[1] if name.count("--") > 1 else name
+    for n in (name, base):
+        if n in served.convert_errors:
+            pytest.fail(f"convert failed for {n}: {served.convert_errors[n]}")
+    assert name in served.results, f"{name} was not served (vLLM process output: {served.stderr_tail[-2000:]})"
     return served.results[name]
 
 
