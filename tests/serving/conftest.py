@@ -4,10 +4,11 @@ vLLM's python: ``MXFP4CONV_VLLM_PYTHON`` (``make test`` sets it), else ``/work/m
 this checkout's ``.venv-vllm/bin/python`` when present. Without one, the tests are skipped, unless
 ``MXFP4CONV_REQUIRE_VLLM`` is set, which makes its absence an error.
 
-Every served checkpoint goes to ONE vLLM process (``vllm_serve.py``), served in turn: vLLM's import
-and its CPU platform set-up cost ~15-30 s once, each further tiny checkpoint ~5-8 s, where one
-process per checkpoint would pay the start-up each time. The float32 references are computed in
-this process while vLLM runs.
+Every served checkpoint goes to ONE vLLM process (``vllm_serve.py``), served in turn. Measured on
+2 shared cores: a process serving one tiny checkpoint takes 21-22 s wall (vLLM's import and CPU
+platform set-up ~15 s), and each further checkpoint in the same process 3-8 s, so the 11 checkpoints
+here take 55-80 s in one process against ~4 min in one process each. The float32 references are
+computed in this process while vLLM runs.
 """
 
 from __future__ import annotations
