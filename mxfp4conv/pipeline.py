@@ -10,12 +10,10 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +31,6 @@ from mxfp4conv.io.safetensors_io import (
     BATCH_BYTES,
     CheckRange,
     FileSlice,
-    InflightBudget,
     st_dtype,
     stream_safetensors,
 )
@@ -49,6 +46,16 @@ from mxfp4conv.job import (  # re-exported: the options and helpers callers know
     resolve_device,
 )
 from mxfp4conv.layouts.base import Plan
+from mxfp4conv.staging import (
+    PENDING_SHARDS,
+    PROGRESS_GLOB,
+    ShardFinisher,
+    json_bytes,
+    prepare_staging,
+    progress_file,
+    reuse,
+    sha256_file,
+)
 from mxfp4conv.units import read_ahead, read_sizes, unit_results
 from mxfp4conv.writers import OutTensor, Target, WriterContext
 from mxfp4conv.writers.base import UnitSpec
@@ -97,20 +104,12 @@ class _ShardPlan:
     nbytes: int = 0
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def source_fingerprint(ckpt: Checkpoint) -> dict[str, Any]:
     """Hashes identifying the source: full sha256 of JSON files, header sha256 + size of shards."""
     out: dict[str, Any] = {}
     for name in ("config.json", "hf_quant_config.json", "model.safetensors.index.json"):
         if (ckpt.root / name).exists():
-            out[name] = {"sha256": _sha256(ckpt.root / name)}
+            out[name] = {"sha256": sha256_file(ckpt.root / name)}
     for f in ckpt.shard_files:
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
@@ -199,10 +198,6 @@ def _copy_extras(src: Path, dst: Path, drop_hqc: bool) -> list[str]:
     return copied
 
 
-def _json_bytes(obj: Any) -> bytes:
-    return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
-
-
 def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress: Progress | None = None) -> ConvertReport:
     """Convert SRC into DST (see module docstring). Raises ``ConvertError`` subclasses."""
     t_start = time.perf_counter()
@@ -246,7 +241,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
         return report
 
     staging = staging_path(dst)
-    finished = _prepare_staging(staging, fingerprint, opts)
+    finished = prepare_staging(staging, fingerprint, opts)
     keep_staging = opts.resume or opts.partition is not None or opts.finish
     verifier = InlineVerifier(target, str(src), str(dst)) if opts.verify else None
     try:
@@ -255,7 +250,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
             report.status = "partial"
             report.seconds["total"] = time.perf_counter() - t_start
             return report
-        for p in staging.glob(_PROGRESS_GLOB):
+        for p in staging.glob(PROGRESS_GLOB):
             p.unlink()
         if verifier is not None:
             t0 = time.perf_counter()
@@ -273,7 +268,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
                     "target": target.NAME, "options": opts.fingerprint_dict() | {"device_independent": True},
                     "fingerprint": fingerprint, "outputs": outputs, "requant_stats": report.requant_stats,
                     "verified": bool(report.verify and report.verify.get("ok"))}
-        (staging / MANIFEST).write_bytes(_json_bytes(manifest))
+        (staging / MANIFEST).write_bytes(json_bytes(manifest))
         publish(staging, dst)
     except OutputError:
         if opts.partition is None:  # e.g. a full disk: nothing worth resuming; other partitions' shards are kept
@@ -317,47 +312,6 @@ def _start_device(opts: ConvertOptions) -> threading.Thread | None:
     return t
 
 
-_PROGRESS_GLOB = ".mxfp4conv-progress*.json"
-
-
-def _progress_file(staging: Path, opts: ConvertOptions) -> Path:
-    if opts.partition is not None:
-        return staging / f".mxfp4conv-progress-{opts.partition[0]}of{opts.partition[1]}.json"
-    return staging / ".mxfp4conv-progress.json"
-
-
-def _prepare_staging(staging: Path, fingerprint: dict[str, Any], opts: ConvertOptions) -> dict[str, dict[str, Any]]:
-    """The finished shards recorded in an existing staging folder (resume / partitions), else a fresh folder."""
-    resuming = opts.resume or opts.partition is not None or opts.finish
-    finished: dict[str, dict[str, Any]] = {}
-    if resuming and staging.is_dir():
-        for p in sorted(staging.glob(_PROGRESS_GLOB)):
-            try:
-                rec = json.loads(p.read_text())
-            except (OSError, ValueError):
-                continue
-            if rec.get("fingerprint") != fingerprint:
-                if opts.partition is not None or opts.finish:
-                    raise UsageError(f"staging folder {staging} belongs to a conversion with other inputs or options",
-                                     hint="rerun every partition with the same SRC and options, or delete it")
-                continue
-            finished.update(rec.get("shards", {}))
-        if not finished and opts.resume and opts.partition is None:  # partitions may run at once: never
-            remove_tree(staging)  # delete a staging folder that another partition is writing into
-    elif not resuming:
-        remove_tree(staging)
-    if opts.finish and not staging.is_dir():
-        raise UsageError(f"nothing to finish: no staging folder {staging}",
-                         hint="run the --partition i/n conversions first")
-    staging.mkdir(parents=True, exist_ok=True)  # partitions starting together may race to create it
-    return finished
-
-
-def _reuse(path: Path, rec: dict[str, Any] | None) -> bool:
-    """A finished shard is reused only if its bytes still hash to what was recorded."""
-    return bool(rec) and path.is_file() and _sha256(path) == rec["sha256"]  # type: ignore[index]
-
-
 def _fill_plan_report(report: ConvertReport, plan: Plan, target: Target, ctx: WriterContext,
                       shard_plans: list[tuple[str, WriterContext, list[_ShardPlan]]]) -> None:
     kinds = [u.kind for u in plan.units]
@@ -381,7 +335,7 @@ def _write_all(job: Job, shard_plans: list[tuple[str, WriterContext, list[_Shard
     finished, fingerprint = resume
     opts, ckpt, target = job.opts, job.ckpt, job.target
     outputs: dict[str, str] = {}
-    fin = _ShardFinisher(_progress_file(staging, opts), fingerprint, report, outputs)
+    fin = ShardFinisher(progress_file(staging, opts), fingerprint, report, outputs)
     total = sum(s.nbytes for _, _, shards in shard_plans for s in shards)
     if job.needs_device and devices(opts)[0].startswith("cuda"):
         # GPU outputs are produced far faster than the disk takes them: a unit's worth queued keeps
@@ -404,7 +358,7 @@ def _write_all(job: Job, shard_plans: list[tuple[str, WriterContext, list[_Shard
                     continue
                 path = out_dir / shard.file
                 rec = finished.get(rel)
-                if _reuse(path, rec):
+                if reuse(path, rec):
                     assert rec is not None
                     outputs[rel] = rec["sha256"]
                     report.requant_stats.update(rec.get("stats", {}))
@@ -428,13 +382,13 @@ def _write_all(job: Job, shard_plans: list[tuple[str, WriterContext, list[_Shard
                 continue
             if len(shards) > 1:
                 index = {"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": dict(sorted(wmap.items()))}
-                (out_dir / "model.safetensors.index.json").write_bytes(_json_bytes(index))
-            (out_dir / "config.json").write_bytes(_json_bytes(target.config(ckpt.config, rctx)))
+                (out_dir / "model.safetensors.index.json").write_bytes(json_bytes(index))
+            (out_dir / "config.json").write_bytes(json_bytes(target.config(ckpt.config, rctx)))
             _copy_extras(ckpt.root, out_dir, drop_hqc=job.plan.layout != "modelopt-nvfp4" or rctx.options.get("keep_nvfp4") != "1")
             for p in sorted(out_dir.iterdir()):
                 rel = f"{folder}/{p.name}" if folder else p.name
                 if p.is_file() and rel not in outputs and not p.name.startswith(".mxfp4conv-progress"):
-                    outputs[rel] = _sha256(p)
+                    outputs[rel] = sha256_file(p)
     except BaseException:
         fin.drain()  # never leave a writer running into a folder that is about to be removed
         raise
@@ -442,42 +396,3 @@ def _write_all(job: Job, shard_plans: list[tuple[str, WriterContext, list[_Shard
         report.seconds[key] = report.seconds.get(key, 0.0) + secs
     report.bytes_written = done[0]
     return dict(sorted(outputs.items())), reused
-
-
-# Shards still finishing their hash and fsync while the next one is produced. Their hashers hold no
-# queued memory (computed bytes are read back from the page cache once written), so they hash in
-# parallel (one core each) while the producer runs at the disk's pace (BENCHMARKS.md).
-PENDING_SHARDS = 2
-
-
-class _ShardFinisher:
-    """Shards whose last hashing and fsync run on helper threads while the next shard is produced:
-    up to PENDING_SHARDS pending, their queued bytes under one budget. A shard is recorded as finished
-    (in the progress file that --resume reads) only once its digest is known."""
-
-    def __init__(self, progress_path: Path, fingerprint: dict[str, Any], report: ConvertReport,
-                 outputs: dict[str, str]) -> None:
-        self.progress_path = progress_path
-        self.fingerprint = fingerprint
-        self.report = report
-        self.outputs = outputs
-        self.mine: dict[str, dict[str, Any]] = {}
-        self.budget = InflightBudget()
-        self.pending: list[tuple[str, Future[str], dict[str, Any]]] = []
-
-    def settle(self, keep: int = 0) -> None:
-        """Wait for the oldest pending shards until at most ``keep`` remain."""
-        while len(self.pending) > keep:
-            rel, fut, stats = self.pending.pop(0)
-            digest = fut.result()
-            self.outputs[rel] = digest
-            self.mine[rel] = {"sha256": digest, "stats": stats}
-            tmp = self.progress_path.with_suffix(".tmp")
-            tmp.write_bytes(_json_bytes({"fingerprint": self.fingerprint, "shards": self.mine}))
-            os.replace(tmp, self.progress_path)
-
-    def drain(self) -> None:
-        for _, fut, _ in self.pending:
-            with contextlib.suppress(BaseException):
-                fut.result()
-        self.pending.clear()

@@ -1,5 +1,9 @@
 """Header-only safetensors reading, lazy per-tensor loads, and a streaming shard writer.
 
+One module of ~870 lines: the reader and the writer share the FileSlice / TensorRef types, the
+dtype tables and the short-read handling, and the writer's three threads (write, hash, check) and
+their batching are one unit of behaviour that its tests exercise together.
+
 A checkpoint is enumerated from the 8-byte length + JSON header of each shard; tensor data is read
 only when ``TensorRef.load()`` is called, with ``os.pread`` on the exact byte range. Every header
 is validated before use (size limits, JSON object without duplicate keys, known dtypes, offsets

@@ -1,0 +1,112 @@
+"""The staging folder of a conversion: finished shards recorded for ``--resume`` / ``--partition`` /
+``--finish``, and the shards whose hash, checks and fsync finish while the next one is produced."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from mxfp4conv.errors import UsageError
+from mxfp4conv.io.atomic import remove_tree
+from mxfp4conv.io.safetensors_io import InflightBudget
+from mxfp4conv.job import ConvertOptions
+
+__all__ = ["PENDING_SHARDS", "PROGRESS_GLOB", "ShardFinisher", "json_bytes", "prepare_staging", "progress_file",
+           "reuse", "sha256_file"]
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
+
+
+PROGRESS_GLOB = ".mxfp4conv-progress*.json"
+
+
+def progress_file(staging: Path, opts: ConvertOptions) -> Path:
+    if opts.partition is not None:
+        return staging / f".mxfp4conv-progress-{opts.partition[0]}of{opts.partition[1]}.json"
+    return staging / ".mxfp4conv-progress.json"
+
+
+def prepare_staging(staging: Path, fingerprint: dict[str, Any], opts: ConvertOptions) -> dict[str, dict[str, Any]]:
+    """The finished shards recorded in an existing staging folder (resume / partitions), else a fresh folder."""
+    resuming = opts.resume or opts.partition is not None or opts.finish
+    finished: dict[str, dict[str, Any]] = {}
+    if resuming and staging.is_dir():
+        for p in sorted(staging.glob(PROGRESS_GLOB)):
+            try:
+                rec = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue
+            if rec.get("fingerprint") != fingerprint:
+                if opts.partition is not None or opts.finish:
+                    raise UsageError(f"staging folder {staging} belongs to a conversion with other inputs or options",
+                                     hint="rerun every partition with the same SRC and options, or delete it")
+                continue
+            finished.update(rec.get("shards", {}))
+        if not finished and opts.resume and opts.partition is None:  # partitions may run at once: never
+            remove_tree(staging)  # delete a staging folder that another partition is writing into
+    elif not resuming:
+        remove_tree(staging)
+    if opts.finish and not staging.is_dir():
+        raise UsageError(f"nothing to finish: no staging folder {staging}",
+                         hint="run the --partition i/n conversions first")
+    staging.mkdir(parents=True, exist_ok=True)  # partitions starting together may race to create it
+    return finished
+
+
+def reuse(path: Path, rec: dict[str, Any] | None) -> bool:
+    """A finished shard is reused only if its bytes still hash to what was recorded."""
+    return bool(rec) and path.is_file() and sha256_file(path) == rec["sha256"]  # type: ignore[index]
+
+
+# Shards still finishing their hash and fsync while the next one is produced. Their hashers hold no
+# queued memory (computed bytes are read back from the page cache once written), so they hash in
+# parallel (one core each) while the producer runs at the disk's pace (BENCHMARKS.md).
+PENDING_SHARDS = 2
+
+
+class ShardFinisher:
+    """Shards whose last hashing and fsync run on helper threads while the next shard is produced:
+    up to PENDING_SHARDS pending, their queued bytes under one budget. A shard is recorded as finished
+    (in the progress file that --resume reads) only once its digest is known."""
+
+    def __init__(self, progress_path: Path, fingerprint: dict[str, Any], report: Any,
+                 outputs: dict[str, str]) -> None:
+        self.progress_path = progress_path
+        self.fingerprint = fingerprint
+        self.report = report
+        self.outputs = outputs
+        self.mine: dict[str, dict[str, Any]] = {}
+        self.budget = InflightBudget()
+        self.pending: list[tuple[str, Future[str], dict[str, Any]]] = []
+
+    def settle(self, keep: int = 0) -> None:
+        """Wait for the oldest pending shards until at most ``keep`` remain."""
+        while len(self.pending) > keep:
+            rel, fut, stats = self.pending.pop(0)
+            digest = fut.result()
+            self.outputs[rel] = digest
+            self.mine[rel] = {"sha256": digest, "stats": stats}
+            tmp = self.progress_path.with_suffix(".tmp")
+            tmp.write_bytes(json_bytes({"fingerprint": self.fingerprint, "shards": self.mine}))
+            os.replace(tmp, self.progress_path)
+
+    def drain(self) -> None:
+        for _, fut, _ in self.pending:
+            with contextlib.suppress(BaseException):
+                fut.result()
+        self.pending.clear()
