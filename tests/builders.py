@@ -211,27 +211,33 @@ def autoround_mxfp4(root: Path, *, act_bits: int = 16, extra_config: Mapping[str
 V4 = {"hidden": 128, "inter": 64, "experts": 4, "layers": 2, "heads": 2, "head_dim": 64, "q_lora": 64}
 
 
-def deepseek_v4(root: Path, *, config: bool = True, weight_scale_2: bool = False, shards: int = 2) -> Path:
+def deepseek_v4(root: Path, *, config: bool = True, weight_scale_2: bool = False, nvfp4: bool = False,
+                mtp: bool = False, shards: int = 2) -> Path:
     """DeepSeek-V4 native: experts ``layers.N.ffn.experts.E.w{1,2,3}.weight`` packed E2M1 as I8 [N, K/2] +
     ``.scale`` F8_E8M0 [N, K/32]; attention and shared experts FP8 with E8M0 128x128 ``.scale`` blocks;
-    config.json ``quant_method: fp8``. ``weight_scale_2`` adds one NVFP4-style global scale (NVIDIA's
-    NVFP4 release of V4, which is not this layout)."""
+    config.json ``quant_method: fp8``. ``weight_scale_2`` adds one NVFP4-style global scale; ``nvfp4``: the
+    routed experts of ``layers.N`` in ModelOpt NVFP4 (NVIDIA's release, ``moe_quant_algo: NVFP4``);
+    ``mtp``: an MTP layer ``mtp.0`` whose experts stay native MXFP4 (as in NVIDIA's release too)."""
     h, i, ne = V4["hidden"], V4["inter"], V4["experts"]
     e8m0 = torch.float8_e8m0fnu
     t = Tensors(1)
     t["embed.weight"] = t.randn(256, h).to(torch.bfloat16)
     t["norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
     t.bf16("head", 256, h)
-    for n in range(V4["layers"]):
-        p = f"layers.{n}"
+    blocks = [f"layers.{n}" for n in range(V4["layers"])] + (["mtp.0"] if mtp else [])
+    for p in blocks:
         t[f"{p}.attn_norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
         t.fp8_block(f"{p}.attn.wq_a", V4["q_lora"], h, scale="scale", dtype=e8m0)
         t.fp8_block(f"{p}.attn.wo_b", h, V4["heads"] * V4["head_dim"], scale="scale", dtype=e8m0)
         t.bf16(f"{p}.ffn.gate", ne, h)
         for e in range(ne):
             for w, (rows, cols) in {"w1": (i, h), "w3": (i, h), "w2": (h, i)}.items():
-                t.mxfp4(f"{p}.ffn.experts.{e}.{w}", rows, cols, packed="weight", scale="scale",
-                        packed_dtype=torch.int8, scale_dtype=e8m0)
+                if nvfp4 and not p.startswith("mtp."):
+                    t.nvfp4(f"{p}.ffn.experts.{e}.{w}", rows, cols, packed="weight", global_scale="weight_scale_2",
+                            divisor=False, input_scale="input_scale")
+                else:
+                    t.mxfp4(f"{p}.ffn.experts.{e}.{w}", rows, cols, packed="weight", scale="scale",
+                            packed_dtype=torch.int8, scale_dtype=e8m0)
         for w, (rows, cols) in {"w1": (i, h), "w3": (i, h), "w2": (h, i)}.items():
             t.fp8_block(f"{p}.ffn.shared_experts.{w}", rows, cols, scale="scale", dtype=e8m0)
     if weight_scale_2:
@@ -242,5 +248,6 @@ def deepseek_v4(root: Path, *, config: bool = True, weight_scale_2: bool = False
                            "expert_dtype": "fp4"}
     if config:
         cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                      "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+                                      "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
+                                      **({"moe_quant_algo": "NVFP4"} if nvfp4 else {})}
     return save_checkpoint(root, cfg, t, shards=shards)

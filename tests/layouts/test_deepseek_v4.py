@@ -90,3 +90,10 @@ def test_precision_of_the_fp8_linears(source: Source) -> None:
         "attn.wq_a", "attn.wo_b", "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")}
     assert prec.fp8["layers.0.attn.wo_b"] == Fp8Linear("layers.0.attn.wo_b", "fp8-block", "scale", "F8_E8M0")
     assert prec.bf16 == ("head", "layers.0.ffn.gate", "layers.1.ffn.gate")  # "embed" is an embedding
+
+
+def test_the_mtp_layer_experts_are_a_unit_of_their_own(tmp_path: Path) -> None:
+    plan = deepseek_v4.plan(open_checkpoint(builders.deepseek_v4(tmp_path / "v4", mtp=True)))
+    assert plan.problems == []
+    assert [(u.key, u.dims) for u in plan.units if u.kind == "moe"] == [
+        ("layers.0.ffn.experts", (4, 128, 64)), ("layers.1.ffn.experts", (4, 128, 64)), ("mtp.0.ffn.experts", (4, 128, 64))]

@@ -8,7 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from mxfp4conv.canonical import MoELayer
 from mxfp4conv.errors import InputError
 from mxfp4conv.io.checkpoint import open_checkpoint
 from mxfp4conv.layouts import modelopt_nvfp4
@@ -127,3 +130,25 @@ def test_plan_reports_a_non_scalar_global_scale(tmp_path: Path) -> None:
     q = {"quant_method": "modelopt", "quant_algo": "NVFP4"}
     plan = modelopt_nvfp4.plan(open_checkpoint(builders.moe_checkpoint(tmp_path / "m", expert, q, extra=bad)))
     assert [(p.tensor, p.message) for p in plan.problems] == [(name, "global scale must be one F32 value, got F32[2]")]
+
+
+def test_deepseek_v4_nvfp4_release_keeps_its_mxfp4_mtp_experts(tmp_path: Path) -> None:
+    """NVIDIA's NVFP4 DeepSeek-V4: NVFP4 routed experts, V4-native MXFP4 (I8 + F8_E8M0) experts in the MTP layer."""
+    src = builders.deepseek_v4(tmp_path / "v4", nvfp4=True, mtp=True)
+    ckpt = open_checkpoint(src)
+    assert list(detections(ckpt)) == ["modelopt-nvfp4"]
+    plan = modelopt_nvfp4.plan(ckpt)
+    assert plan.problems == []
+    assert plan.facts.expert_names == ("w1", "w3", "w2")
+    moe = {u.key: u for u in plan.units if u.kind == "moe"}
+    assert list(moe) == ["layers.0.ffn.experts", "layers.1.ffn.experts", "mtp.0.ffn.experts"]
+    assert "roles" not in moe["layers.0.ffn.experts"].extra and moe["mtp.0.ffn.experts"].extra["roles"] == "1"
+    routed = modelopt_nvfp4.read(ckpt, moe["layers.1.ffn.experts"])
+    mtp = modelopt_nvfp4.read(ckpt, moe["mtp.0.ffn.experts"])
+    assert isinstance(routed, MoELayer) and isinstance(mtp, MoELayer)
+    assert routed.w13.quant == "nvfp4" and routed.w13.global_rows is not None
+    assert mtp.w13.quant == "mxfp4" and mtp.w13.global_rows is None and mtp.w13.scales.dtype == torch.uint8
+    raw: dict[str, torch.Tensor] = {}
+    for f in src.glob("*.safetensors"):
+        raw.update(load_file(str(f)))
+    assert torch.equal(mtp.w13.packed[1, 64:], raw["mtp.0.ffn.experts.1.w3.weight"].view(torch.uint8))
