@@ -8,8 +8,9 @@ scheme, and the reason a target cannot express a source at all (checked before a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
+from mxfp4conv.layouts.base import natural_key
 from mxfp4conv.precision import Fp8Linear, expert_container, matches, runtime_pattern
 from mxfp4conv.writers.base import WriterContext, split_names
 
@@ -46,10 +47,12 @@ def unquantized_entries(ctx: WriterContext, *, keep_matching: Iterable[str] = ()
     """Exact names and ``re:`` patterns that leave exactly the unquantized Linears unquantized.
 
     The source's own exclusions come first, as patterns (a wildcard stays a wildcard, so the runtime's
-    renamed MTP modules still match); then every unquantized Linear they do not cover, by exact name (or by
-    a pattern that also accepts the runtime's MTP name). A source pattern that would also cover an FP4 or
-    FP8 module, or a name in ``keep_matching`` (layers the entries must not reach, such as the Attention
-    layers of an FP8 KV cache in Quark), is dropped for its exact names: it would mis-declare that layer.
+    renamed MTP modules still match); then every unquantized Linear by exact name as well, because vLLM
+    maps exact names to its own module names (GPT-OSS ``self_attn`` -> ``attn``) but not patterns; a
+    module of an MTP layer also gets a pattern that accepts its ``mtp_block`` name. A source pattern
+    that would also cover an FP4 or FP8 module, or a name in ``keep_matching`` (layers the entries must
+    not reach, such as the Attention layers of an FP8 KV cache in Quark), is dropped: it would
+    mis-declare that layer.
     """
     p = ctx.precision
     n = ctx.facts.num_layers
@@ -57,16 +60,18 @@ def unquantized_entries(ctx: WriterContext, *, keep_matching: Iterable[str] = ()
     for u in ctx.units:  # the runtime checks expert 0's projections of a MoE layer (vLLM get_moe_method)
         if u.kind == "moe":
             quantized += [f"{u.key}.0.{proj}" for proj in {*split_names(ctx), *ctx.facts.expert_names}]
-    keep = [pat for pat in p.unquantized_patterns if not any(matches(pat, m) for m in quantized)]
-    covered: Callable[[str], bool] = lambda m: any(matches(pat, m) for pat in keep)  # noqa: E731
-    names = [m for m in p.bf16 if not covered(m)]
-    # Unquantized routed experts (an MTP layer kept BF16): one entry for the container and its projections,
+    out = [pat for pat in p.unquantized_patterns if not any(matches(pat, m) for m in quantized)]
+    # Unquantized routed experts (an MTP layer kept BF16): the container and a pattern for its projections,
     # since vLLM asks about the FusedMoE layer itself (Quark) or about expert 0's projections (compressed-tensors).
     fp4_moe = {u.key for u in ctx.units if u.kind == "moe"}
-    containers = sorted({c for m in names if (c := expert_container(m)) and c not in fp4_moe
-                         and not any(f.startswith(c + ".") for f in p.fp8)})
-    names = [m for m in names if expert_container(m) not in containers]
-    return keep + [runtime_pattern(c, n, children=True) for c in containers] + [runtime_pattern(m, n) for m in names]
+    containers = sorted({c for m in p.bf16 if (c := expert_container(m)) and c not in fp4_moe
+                         and not any(f.startswith(c + ".") for f in p.fp8)}, key=natural_key)
+    for c in containers:
+        out += [c, runtime_pattern(c, n, children=True)]
+    for m in p.bf16:
+        if expert_container(m) not in containers:
+            out += [m] if runtime_pattern(m, n) == m else [m, runtime_pattern(m, n)]
+    return list(dict.fromkeys(out))
 
 
 _ATTN_PROJ = ("k_proj", "v_proj", "o_proj", "kv_b_proj", "kv_a_proj_with_mqa", "qkv_proj", "wkv", "wo_a")
