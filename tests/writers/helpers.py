@@ -14,6 +14,9 @@ from mxfp4conv.writers import WriterContext
 from tests import builders
 
 A0, A1, MTP = "model.layers.0.self_attn", "model.layers.1.self_attn", "model.layers.2"
+# the mixed source's unquantized Linears, sorted as the precision model lists them
+BF16 = ["lm_head", "model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate", f"{A0}.k_proj", f"{A0}.v_proj",
+        "model.layers.1.mlp.gate", f"{A1}.k_proj", f"{A1}.o_proj", f"{A1}.q_proj", f"{A1}.v_proj", f"{MTP}.eh_proj"]
 EXCLUDE = ["lm_head", "model.layers.*.mlp.gate", "model.layers.1.self_attn*", "model.layers.*.self_attn.k_proj",
            "model.layers.*.self_attn.v_proj"]
 

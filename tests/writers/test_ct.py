@@ -13,7 +13,7 @@ from mxfp4conv.resolve import resolve_ct
 from mxfp4conv.writers import get_target
 from mxfp4conv.writers.ct import KV_CACHE_FP8
 from tests import builders
-from tests.writers.helpers import A0, A1, MTP, context, mixed_nvfp4
+from tests.writers.helpers import A0, A1, BF16, MTP, context, mixed_nvfp4
 
 CT = get_target("ct")
 
@@ -50,10 +50,12 @@ def test_config_groups_by_scheme(mixed: Path) -> None:
 
 
 def test_ignore_keeps_the_source_wildcards_as_patterns(mixed: Path) -> None:
+    """The source's exclusions as patterns, then every unquantized Linear by its exact name (vLLM maps exact names
+    to its own module names, not patterns), an MTP module also by a pattern accepting its ``mtp_block`` name."""
     q = _q(mixed)
     assert q["ignore"] == ["lm_head", r"re:model\.layers\..*\.mlp\.gate$", r"re:model\.layers\.1\.self_attn.*$",
                            r"re:model\.layers\..*\.self_attn\.k_proj$", r"re:model\.layers\..*\.self_attn\.v_proj$",
-                           "model.layers.0.mlp.shared_expert_gate", r"re:model\.layers\.2\.(mtp_block\.)?eh_proj$"]
+                           *BF16[1:], r"re:model\.layers\.2\.(mtp_block\.)?eh_proj$"]
     # a wildcard keeps matching names that are not in today's checkpoint (vLLM's MTP renames, more layers)
     assert any(matches(p, "model.layers.61.mtp_block.mlp.gate") for p in q["ignore"])
     assert any(matches(p, f"{MTP}.mtp_block.eh_proj") for p in q["ignore"])

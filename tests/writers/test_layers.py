@@ -66,12 +66,13 @@ def test_foreign_fp4_is_refused() -> None:
 # ---------------------------------------------------------------------------------------------- unquantized_entries
 
 
-def test_source_patterns_first_then_uncovered_names() -> None:
+def test_source_patterns_first_then_every_name() -> None:
+    """The source's own patterns, then each unquantized Linear by exact name (once: ``lm_head`` is both)."""
     p = PrecisionModel(bf16=("lm_head", "model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate",
                              "model.layers.1.mlp.gate"),
                        unquantized_patterns=("lm_head", r"re:model\.layers\..*\.mlp\.gate$"))
-    assert unquantized_entries(ctx(p)) == ["lm_head", r"re:model\.layers\..*\.mlp\.gate$",
-                                           "model.layers.0.mlp.shared_expert_gate"]
+    assert unquantized_entries(ctx(p)) == ["lm_head", r"re:model\.layers\..*\.mlp\.gate$", "model.layers.0.mlp.gate",
+                                           "model.layers.0.mlp.shared_expert_gate", "model.layers.1.mlp.gate"]
 
 
 def test_a_pattern_that_would_cover_a_quantized_layer_is_replaced_by_names() -> None:
@@ -92,24 +93,26 @@ def test_a_pattern_that_would_cover_the_fp4_experts_is_dropped() -> None:
 def test_keep_matching_drops_patterns_reaching_those_layers() -> None:
     p = PrecisionModel(bf16=(K0,), unquantized_patterns=(r"re:model\.layers\.0\.self_attn.*$",))
     c = ctx(p)
-    assert unquantized_entries(c) == [r"re:model\.layers\.0\.self_attn.*$"]
+    assert unquantized_entries(c) == [r"re:model\.layers\.0\.self_attn.*$", K0]
     assert unquantized_entries(c, keep_matching=["model.layers.0.self_attn.attn"]) == [K0]
 
 
 def test_mtp_layers_get_patterns_that_accept_the_runtime_name() -> None:
     p = PrecisionModel(bf16=("model.layers.2.eh_proj",))
     got = unquantized_entries(ctx(p, layers=2))
-    assert got == [r"re:model\.layers\.2\.(mtp_block\.)?eh_proj$"]
-    assert matches(got[0], "model.layers.2.mtp_block.eh_proj")
+    assert got == ["model.layers.2.eh_proj", r"re:model\.layers\.2\.(mtp_block\.)?eh_proj$"]
+    assert matches(got[1], "model.layers.2.mtp_block.eh_proj")
 
 
-def test_unquantized_experts_are_one_container_entry() -> None:
-    """A BF16 MoE layer (an MTP layer kept unquantized) is declared once, container and projections."""
+def test_unquantized_experts_are_declared_by_their_container() -> None:
+    """A BF16 MoE layer (an MTP layer kept unquantized): the container by name and one pattern for it and its
+    projections, instead of every projection."""
     mtp = [f"model.layers.2.mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")]
     p = PrecisionModel(bf16=tuple(sorted([*mtp, "model.layers.2.eh_proj"])))
     got = unquantized_entries(ctx(p, layers=2))
-    assert got == [r"re:model\.layers\.2\.(mtp_block\.)?mlp\.experts(\..*)?$", r"re:model\.layers\.2\.(mtp_block\.)?eh_proj$"]
-    assert all(matches(got[0], m) for m in [*mtp, "model.layers.2.mlp.experts", "model.layers.2.mtp_block.mlp.experts"])
+    assert got == ["model.layers.2.mlp.experts", r"re:model\.layers\.2\.(mtp_block\.)?mlp\.experts(\..*)?$",
+                   "model.layers.2.eh_proj", r"re:model\.layers\.2\.(mtp_block\.)?eh_proj$"]
+    assert all(matches(got[1], m) for m in [*mtp, "model.layers.2.mlp.experts", "model.layers.2.mtp_block.mlp.experts"])
 
 
 # ---------------------------------------------------------------------------------------------- fp8_groups, attention

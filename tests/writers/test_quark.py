@@ -15,7 +15,7 @@ from mxfp4conv.precision import Fp8Linear, PrecisionModel, matches
 from mxfp4conv.resolve import resolve_quark
 from mxfp4conv.writers import WriterContext, get_target
 from mxfp4conv.writers.quark import KV_CACHE_GROUP
-from tests.writers.helpers import A0, A1, MTP, context, mixed_nvfp4
+from tests.writers.helpers import A0, A1, BF16, MTP, context, mixed_nvfp4
 
 QUARK = get_target("quark")
 
@@ -59,8 +59,8 @@ def test_exclude_and_the_kv_cache_group(mixed: Path) -> None:
     assert q["export"]["kv_cache_group"] == ["*k_proj", "*v_proj"]
     # "model.layers.1.self_attn*" would also exclude layer 1's Attention (and its FP8 KV cache): named instead
     assert q["exclude"] == ["lm_head", r"re:model\.layers\..*\.mlp\.gate$", r"re:model\.layers\..*\.self_attn\.k_proj$",
-                            r"re:model\.layers\..*\.self_attn\.v_proj$", "model.layers.0.mlp.shared_expert_gate",
-                            f"{A1}.o_proj", f"{A1}.q_proj", r"re:model\.layers\.2\.(mtp_block\.)?eh_proj$"]
+                            r"re:model\.layers\..*\.self_attn\.v_proj$", *BF16[1:],
+                            r"re:model\.layers\.2\.(mtp_block\.)?eh_proj$"]
     assert not any(matches(e, f"{a}.attn") for e in q["exclude"] for a in (A0, A1))
 
 
