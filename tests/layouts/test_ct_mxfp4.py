@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from mxfp4conv.canonical import MoELayer
 from mxfp4conv.io.checkpoint import open_checkpoint
-from mxfp4conv.layouts import ct_common, ct_mxfp4
+from mxfp4conv.layouts import ct_mxfp4
 from tests import builders
 from tests.layouts.helpers import ALL_SOURCES, Source, detections, edit_config
 
@@ -178,35 +178,3 @@ def test_autoround_scheme_from_act_bits(source: Source, name: str, scheme: str) 
     assert plan.problems == []
     assert plan.facts.scheme == scheme and plan.facts.source_quant == "mxfp4"
     assert [u.dims for u in plan.units if u.kind == "moe"] == [(4, 64, 32), (4, 64, 32)]
-
-
-@pytest.mark.parametrize(("change", "autoround"), [
-    ({}, True),
-    ({"quant_method": "auto_round"}, True),
-    ({"bits": 8}, False),
-    ({"group_size": 16}, False),
-    ({"data_type": "nv_fp"}, False),
-    ({"packing_format": "auto_round:auto_gptq"}, False),
-])
-def test_is_autoround_mxfp4(change: dict[str, Any], autoround: bool) -> None:
-    q = {"quant_method": "auto-round", "packing_format": "auto_round:llm_compressor", "data_type": "mx_fp",
-         "bits": 4, "group_size": 32, "act_bits": 16}
-    assert ct_common.is_autoround_mxfp4({**q, **change}) is autoround
-
-
-def test_autoround_extra_config_declares_16_bit_modules_unquantized(tmp_path: Path) -> None:
-    src = builders.autoround_mxfp4(tmp_path / "a", extra_config={
-        "lm_head": {"bits": 16}, "model.layers.0.self_attn.q_proj": {"bits": 16, "data_type": "float"},
-        "model.layers.1.self_attn.o_proj": {"bits": 4}, "model.layers.1.mlp.gate": {"act_bits": 16}})
-    ckpt = open_checkpoint(src)
-    declared = ct_mxfp4.declared(ckpt)
-    assert declared.unquantized == ("lm_head", "model.layers.0.self_attn.q_proj")
-    assert declared.listed == {} and declared.kv_cache is None
-    assert ct_mxfp4.plan(ckpt).facts.ignore == ("lm_head", "model.layers.0.self_attn.q_proj")
-
-
-def test_autoround_that_is_not_mxfp4_is_not_config_evidence(tmp_path: Path) -> None:
-    ckpt = edit_config(builders.autoround_mxfp4(tmp_path / "a"),
-                       lambda c: c["quantization_config"].update(group_size=16))
-    ev = ct_mxfp4.detect(ckpt)
-    assert ev is not None and len(ev) == 1 and ev[0].startswith("tensor ")  # inferred from tensors only

@@ -16,11 +16,6 @@ from mxfp4conv.layouts import ct_nvfp4
 from tests import builders
 from tests.layouts.helpers import ALL_SOURCES, Source, detections, edit_config
 
-FP8_TENSOR_GROUP = {"format": "float-quantized", "targets": ["re:.*o_proj$"],
-                    "weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}
-FP8_BLOCK_GROUP = {"format": "float-quantized", "targets": ["model.layers.0.self_attn.q_proj"],
-                   "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}}
-
 
 @pytest.mark.parametrize("name", ALL_SOURCES)
 def test_detect_claims_only_its_own_checkpoints(source: Source, name: str) -> None:
@@ -87,31 +82,3 @@ def test_a_nan_block_scale_is_refused_naming_the_tensor(tmp_path: Path) -> None:
     with pytest.raises(InputError, match=r"E4M3 block scale is NaN at index \(3, 1\)") as exc:
         ct_nvfp4.read(ckpt, spec)
     assert exc.value.tensor == name
-
-
-def test_declared_from_ignore_groups_and_kv_cache(tmp_path: Path) -> None:
-    def mixed(cfg: dict[str, Any]) -> None:
-        q = cfg["quantization_config"]
-        q["config_groups"]["group_1"] = FP8_TENSOR_GROUP
-        q["config_groups"]["group_2"] = FP8_BLOCK_GROUP
-        q["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
-
-    ckpt = edit_config(builders.build("ct-nvfp4", tmp_path / "c", shards=1), mixed)
-    d = ct_nvfp4.declared(ckpt)
-    assert d.unquantized == ("lm_head", "re:.*mlp.gate$", "re:.*self_attn.*")
-    assert d.listed == {"re:.*o_proj$": "fp8-tensor", "model.layers.0.self_attn.q_proj": "fp8-block"}
-    assert d.exhaustive is False  # group_0 targets the class "Linear": every other Linear is FP4
-    assert d.kv_cache == "fp8"
-
-
-def test_declared_by_name_only_is_exhaustive(tmp_path: Path) -> None:
-    def by_name(cfg: dict[str, Any]) -> None:
-        q = cfg["quantization_config"]
-        q["config_groups"]["group_0"]["targets"] = ["re:.*experts.*"]
-        q["config_groups"]["group_1"] = FP8_TENSOR_GROUP
-        q["kv_cache_scheme"] = {"num_bits": 4, "type": "int"}
-
-    d = ct_nvfp4.declared(edit_config(builders.build("ct-nvfp4", tmp_path / "c", shards=1), by_name))
-    assert d.listed == {"re:.*experts.*": "nvfp4", "re:.*o_proj$": "fp8-tensor"}
-    assert d.exhaustive is True
-    assert d.kv_cache is None  # only an 8-bit float KV cache is FP8

@@ -12,14 +12,12 @@ from safetensors.torch import load_file
 
 from mxfp4conv.canonical import DenseFP4, MoELayer
 from mxfp4conv.io.checkpoint import open_checkpoint
-from mxfp4conv.layouts import detect_layout, quark_common, quark_mxfp4
+from mxfp4conv.layouts import detect_layout, quark_mxfp4
 from tests import builders
 from tests.layouts.helpers import ALL_SOURCES, Source, detections, edit_config
 
 OWN = {"quark-mxfp4", "quark-mxfp4-w4a4"}
 FP8 = {"dtype": "fp8_e4m3", "qscheme": "per_tensor", "is_dynamic": False}
-
-
 @pytest.mark.parametrize("name", ALL_SOURCES)
 def test_detect_claims_only_its_own_checkpoints(source: Source, name: str) -> None:
     found = detections(open_checkpoint(source(name)))
@@ -95,30 +93,3 @@ def test_read_experts(source: Source) -> None:
         raw.update(load_file(str(f)))
     assert torch.equal(unit.w13.packed[2, 32:], raw[f"{spec.key}.2.up_proj.weight"])
     assert torch.equal(unit.w2.scales[3], raw[f"{spec.key}.3.down_proj.weight_scale"])
-
-
-def test_declared(tmp_path: Path) -> None:
-    fp4 = builders.quark_config(32, w4a4=False, exclude=[])["global_quant_config"]["weight"]
-    layers = {"model.layers.*.self_attn.o_proj": {"weight": FP8, "input_tensors": FP8},
-              "*k_proj": {"weight": fp4, "output_tensors": FP8}, "*v_proj": {"weight": fp4, "output_tensors": FP8},
-              "model.layers.0.mlp.gate": {"weight": {"dtype": "int8", "qscheme": "per_tensor"}}}
-    src = builders.quark_mxfp4(tmp_path / "q", shards=1, layer_quant_config=layers,
-                               kv_cache_group=["*k_proj", "*v_proj"])
-    d = quark_mxfp4.declared(open_checkpoint(src))
-    assert d.unquantized == tuple(builders.QUARK_EXCLUDE)
-    assert d.listed == {"model.layers.*.self_attn.o_proj": "fp8-tensor", "*k_proj": "mxfp4", "*v_proj": "mxfp4"}
-    assert d.kv_cache == "fp8" and d.exhaustive is False
-
-
-def test_a_kv_cache_group_without_fp8_outputs_is_no_fp8_kv_cache(tmp_path: Path) -> None:
-    fp4 = builders.quark_config(32, w4a4=False, exclude=[])["global_quant_config"]["weight"]
-    layers = {"*k_proj": {"weight": fp4, "output_tensors": FP8}, "*v_proj": {"weight": fp4, "output_tensors": None}}
-    src = builders.quark_mxfp4(tmp_path / "q", shards=1, layer_quant_config=layers,
-                               kv_cache_group=["*k_proj", "*v_proj"])
-    assert quark_mxfp4.declared(open_checkpoint(src)).kv_cache is None
-
-
-def test_a_non_quark_config_is_no_quark_config(source: Source) -> None:
-    ckpt = open_checkpoint(source("ct-mxfp4"))
-    assert quark_common.qconfig(ckpt) == {}
-    assert quark_common.config_evidence(ckpt, "mxfp4") == []
