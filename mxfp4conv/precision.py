@@ -34,6 +34,7 @@ __all__ = [
     "fnmatch_to_re",
     "matches",
     "mtp_runtime_name",
+    "mtp_split",
     "quark_spec_precision",
     "runtime_pattern",
 ]
@@ -170,12 +171,18 @@ def runtime_pattern(module: str, num_layers: int, *, children: bool = False) -> 
     return "re:" + re.escape(f"{m['head']}{m['idx']}.") + r"(mtp_block\.)?" + re.escape(m["rest"]) + tail
 
 
-def mtp_runtime_name(module: str, num_layers: int) -> str | None:
-    """vLLM's name for a module of an MTP layer (``layers.N.mtp_block.<rest>``); None below num_hidden_layers."""
+def mtp_split(module: str, num_layers: int) -> tuple[str, str] | None:
+    """(``...layers.N.``, rest) for a module of a layer past ``num_hidden_layers`` (an MTP layer), else None."""
     m = _LAYER.match(module)
     if not m or not num_layers or int(m["idx"]) < num_layers:
         return None
-    return f"{m['head']}{m['idx']}.mtp_block.{m['rest']}"
+    return f"{m['head']}{m['idx']}.", m["rest"]
+
+
+def mtp_runtime_name(module: str, num_layers: int) -> str | None:
+    """vLLM's name for a module of an MTP layer (``layers.N.mtp_block.<rest>``); None below num_hidden_layers."""
+    parts = mtp_split(module, num_layers)
+    return None if parts is None else f"{parts[0]}mtp_block.{parts[1]}"
 
 
 def _scale_kind(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> Literal["fp8-tensor", "fp8-block"] | None:

@@ -20,11 +20,6 @@ from mxfp4conv.writers.layers import precision_refusal
 MODULES_TO_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 
 
-def _container(key: str) -> str:
-    """llm-compressor names experts ``mlp.experts.E.*``; the fused tensors live on ``mlp.experts``."""
-    return key
-
-
 class GptOssTarget(Target):
     NAME = "gpt-oss"
 

@@ -84,13 +84,10 @@ def quantization_config(ctx: WriterContext) -> dict[str, Any]:
 def _quark_key(module: str, ctx: WriterContext) -> str:
     """A layer_quant_config key for one module: vLLM matches a key without ``*`` as a substring of the layer
     name and one with ``*`` by fnmatch; MTP layers (past num_hidden_layers) also answer to ``.mtp_block.``."""
-    from mxfp4conv.precision import runtime_pattern
+    from mxfp4conv.precision import mtp_split
 
-    if runtime_pattern(module, ctx.facts.num_layers) == module:
-        return module
-    head, _, rest = module.partition(".layers.") if ".layers." in module else ("", "", module)
-    idx, _, tail = rest.partition(".")
-    return f"{head}.layers.{idx}.*{tail}" if head else f"layers.{idx}.*{tail}"
+    parts = mtp_split(module, ctx.facts.num_layers)
+    return module if parts is None else f"{parts[0]}*{parts[1]}"
 
 
 def _kv_refusal(ctx: WriterContext) -> str | None:
