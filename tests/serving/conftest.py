@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,12 +28,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mxfp4conv.cli import cli
+from tests.serving import serving_sources as S
+from tests.serving.serving_sources import Served, top20_error
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import serving_sources as S  # noqa: E402
-from serving_sources import Served, top20_error  # noqa: E402
 
 SERVE = HERE / "vllm_serve.py"
 MARK = "MXFP4CONV-SERVING-RESULT"
@@ -164,10 +161,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
     # DeepSeek-R1 replica (tests/replicas, another engineer's): its Quark output, if it builds and converts
     rep_path: Path | None = None
     try:
-        try:
-            from tests.replicas import deepseek
-        except ImportError:  # tests/ itself on sys.path (pytest's rootdir insertion), not the checkout
-            from replicas import deepseek  # type: ignore[no-redef]
+        from tests.replicas import deepseek
 
         rep_path = deepseek.modelopt_nvfp4_r1(root / "src" / "deepseek-r1").path
     except Exception as e:  # the replica module is being written by another engineer: reported, not hidden
@@ -216,7 +210,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
     REPORT.append("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in sv.seconds.items()))
     REPORT.append("vLLM seconds per checkpoint: " + ", ".join(
         f"{n} {r.get('seconds', 0):.1f}" for n, r in sv.results.items()))
-    backend = {r.get("mxfp4_moe_gate") for r in sv.results.values()} - {None}
+    backend = {str(r["mxfp4_moe_gate"]) for r in sv.results.values() if r.get("mxfp4_moe_gate") is not None}
     REPORT.append(f"vLLM CPU MXFP4 MoE backend gate: {sorted(backend)}")
     return sv
 

@@ -21,21 +21,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-_TESTS = Path(__file__).resolve().parents[1]
-for _p in (_TESTS.parent / "examples", _TESTS / "producers"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+from tests.builders import build as tiny_build
+from tests.builders import quant_mxfp4, quant_nvfp4, tiny
+from tests.producers.producers_lib import exact_nvfp4_dequantize, hf_load, mx_quantize, reference_model
 
-from producers_lib import exact_nvfp4_dequantize, hf_load, mx_quantize, reference_model  # noqa: E402
-from tiny import _ct_qconfig, _save_sharded, quant_mxfp4, quant_nvfp4  # noqa: E402
-from tiny import build as tiny_build  # noqa: E402
+_ct_qconfig, _save_sharded = tiny._ct_qconfig, tiny._save_sharded
 
 H, INTER, EXPERTS, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 128, 64, 4, 2, 4, 2, 32, 256
 PROMPT_LEN = 24
@@ -160,18 +156,21 @@ def forward(model: torch.nn.Module, prompt_list: list[list[int]]) -> tuple[torch
     computed in another precision may route the token to another expert (a near tie, not an error).
     """
     ids = torch.tensor(prompt_list)
-    top_k = int(model.config.num_experts_per_tok)
+    config: Any = model.config
+    top_k = int(config.num_experts_per_tok)
     gaps: list[torch.Tensor] = []
 
     def hook(mod: torch.nn.Module, inp: tuple[torch.Tensor, ...], _out: object) -> None:
         x = inp[0].reshape(-1, inp[0].shape[-1]).double()
         bias = getattr(mod, "bias", None)
-        logits = torch.nn.functional.linear(x, mod.weight.double(), None if bias is None else bias.double())
+        weight: Any = mod.weight
+        logits = torch.nn.functional.linear(x, weight.double(), None if bias is None else bias.double())
         top = logits.topk(top_k + 1, dim=-1).values
         rms = logits.pow(2).mean().sqrt()
         gaps.append(((top[:, top_k - 1] - top[:, top_k]) / rms).reshape(ids.shape))
 
-    handles = [getattr(layer.mlp, "router", None) or layer.mlp.gate for layer in model.model.layers]
+    inner: Any = model.model
+    handles = [getattr(layer.mlp, "router", None) or layer.mlp.gate for layer in inner.layers]
     hooks = [h.register_forward_hook(hook) for h in handles]
     try:
         with torch.no_grad():

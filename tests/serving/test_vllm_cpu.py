@@ -66,7 +66,8 @@ from typing import Any
 
 import pytest
 import torch
-from serving_sources import ROUTING_TIE, Served, mean_top20_error
+
+from tests.serving.serving_sources import ROUTING_TIE, Served, mean_top20_error
 
 pytestmark = pytest.mark.serving
 
