@@ -13,6 +13,9 @@ statistics folded per row: float32 block sums in group order (NUMERICS.md "Block
 signal summed in the 8 lanes of "Row sums", max_abs_err the max, the two counts; MSE's choice is exact
 ("MSE decision").
 
+Longer than the project's ~400-line guide on purpose: the CPU reference, its chunking and the statistics
+fold are one contract that the GPU kernel is tested against; split, they would drift apart.
+
 The CPU paths never expand a tensor to fp32: within a 16-element NVFP4 block every value is one of 8
 magnitudes ``round(e2m1[m] * s * g)`` (sign-symmetric), so all float work (scale choice, E2M1 rounding,
 errors) runs on per-block tables of 8 entries per 16 weights; per weight only its magnitude

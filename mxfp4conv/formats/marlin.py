@@ -6,6 +6,9 @@ so CPU and CUDA produce identical bytes. Leading dims (e.g. the expert dim E) ar
 ``[E, N, K/2]`` input is transformed per expert exactly like a dense ``[N, K/2]`` one.
 
 Sizes: N = out features, K = in features, g = group (32 MXFP4, 16 NVFP4).
+
+Longer than the project's ~400-line guide on purpose: each permutation sits beside its inverse (verify
+decodes with them), so a change to one is never made without the other.
 """
 
 from __future__ import annotations
