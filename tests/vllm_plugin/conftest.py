@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
+
 from mxfp4conv.cli import cli
 
 _tiny = importlib.import_module("tiny")  # examples/tiny.py, on sys.path through tests/conftest.py
