@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
@@ -11,9 +10,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from mxfp4conv.cli import cli
-
-_tiny = importlib.import_module("tiny")  # examples/tiny.py, on sys.path through tests/conftest.py
-build, quant_mxfp4 = _tiny.build, _tiny.quant_mxfp4
+from tests.builders import build, quant_mxfp4
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
