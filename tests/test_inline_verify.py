@@ -118,3 +118,14 @@ def test_no_verify_runs_no_checks(srcs: dict[str, Path], tmp_path: Path, monkeyp
 def _tree(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
             if p.is_file()}
+
+
+def test_verify_and_the_pipeline_do_not_import_each_other() -> None:
+    """Both start from the planned job (mxfp4conv/job.py); the standalone verify never loads the pipeline."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mxfp4conv.verify, mxfp4conv.check, mxfp4conv.job, mxfp4conv.units; "
+            "print('mxfp4conv.pipeline' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
