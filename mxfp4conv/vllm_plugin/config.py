@@ -35,6 +35,7 @@ class MarlinReadyConfig(QuantizationConfig):
         self.rename: Any = None  # the model's hf -> vLLM rename mapper (WeightsMapper)
         self._checked = False
         self._vllm_modules: dict[str, list[tuple[int, str]]] | None = None
+        self._native: QuantizationConfig | None = None
 
     # ---- what vLLM asks of every quantization config ------------------------------------------
 
@@ -91,11 +92,29 @@ class MarlinReadyConfig(QuantizationConfig):
         if isinstance(layer, LinearBase):
             parts = self.vllm_modules().get(prefix)
             if not parts:
-                return UnquantizedLinearMethod()
+                native = self.native()
+                return UnquantizedLinearMethod() if native is None else native.get_quant_method(layer, prefix)
             from mxfp4conv.vllm_plugin.linear import MarlinReadyLinearMethod
 
             return MarlinReadyLinearMethod(self, prefix, sorted(parts))
-        return None
+        native = self.native()  # Attention layers: the KV-cache scheme, as the runtime-native config says
+        return None if native is None else native.get_quant_method(layer, prefix)
+
+    def native(self) -> QuantizationConfig | None:
+        """The compressed-tensors config each rank carries beside the marker: it describes every layer that is
+        not Marlin-ready (FP8 Linears, unquantized Linears, the KV cache), which vLLM's own methods load.
+        None for GPT-OSS ranks, whose native config declares nothing but the experts."""
+        if self._native is None and self.base.get("quant_method") == "compressed-tensors":
+            from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+                CompressedTensorsConfig,
+            )
+
+            native = CompressedTensorsConfig.from_config({k: v for k, v in self.base.items() if k != NAME})
+            native.packed_modules_mapping = self.packed_modules_mapping
+            if self.rename is not None:
+                native.apply_vllm_mapper(self.rename)
+            self._native = native
+        return self._native
 
     def vllm_modules(self) -> dict[str, list[tuple[int, str]]]:
         """vLLM module name -> [(shard index in a packed module, checkpoint module)] of every Marlin module."""

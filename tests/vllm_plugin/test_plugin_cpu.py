@@ -61,6 +61,7 @@ def results(marlin_outputs: dict[str, Path], tmp_path_factory: pytest.TempPathFa
         "gptoss_tp1": {"rank_dir": go_1 / "rank-0"},
         "gptoss_tp2_rank1": {"rank_dir": go_2 / "rank-0", "tp_size": 2, "tp_rank": 1},
         "nvfp4_kept": {"rank_dir": nv / "rank-0"},
+        "fp8_attention": {"rank_dir": o["fp8"] / "rank-0"},
         "wrong_tp_size": {"rank_dir": q3_2 / "rank-1"},
         "wrong_tp_rank": {"rank_dir": misplaced, "tp_size": 2, "tp_rank": 0},
         "wrong_engine": {"rank_dir": go_sgl / "rank-0"},
@@ -104,6 +105,17 @@ def test_loads_shard_bytes_without_repack(results: dict[str, dict[str, Any]], ca
     # vLLM's CPU build has no Marlin kernel: the post-load step refuses in one line
     assert "run on vLLM's CUDA Marlin kernels; this platform is cpu" in res["after_loading"]
     assert "\n" not in res["after_loading"]
+
+
+def test_non_fp4_layers_load_through_the_native_config(results: dict[str, dict[str, Any]]) -> None:
+    """FP8 attention beside Marlin-ready experts: vLLM's compressed-tensors FP8 scheme builds and loads it
+    (weight, weight_scale, input_scale byte for byte), the experts stay Marlin-ready."""
+    res = results["fp8_attention"]
+    assert "error" not in res, res.get("traceback")
+    assert res["differ"] == [] and res["not_loaded"] == [] and res["repack_calls"] == []
+    assert {"MarlinReadyMoEMethod", "CompressedTensorsLinearMethod"} <= set(res["methods"]), res["methods"]
+    assert "UnquantizedLinearMethod" not in res["methods"] or res["passthrough_differ"] == []
+    assert res["fp8_params"] and all(res["fp8_params"].values()), res["fp8_params"]
 
 
 @pytest.mark.parametrize(("case", "message"), [

@@ -127,6 +127,28 @@ def compare(model: object) -> dict[str, object]:
     return out
 
 
+def fp8_params(model: object, rank_dir: str) -> dict[str, bool]:
+    """qkv_proj's FP8 weight (the q/k/v shards concatenated) and o_proj's, each equal to the rank's bytes."""
+    import torch
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())  # type: ignore[attr-defined]
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(rank_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            tensors.update({n: fh.get_tensor(n) for n in fh.keys() if n.endswith("proj.weight")})  # noqa: SIM118
+    out: dict[str, bool] = {}
+    for name, p in params.items():
+        if p.dtype != torch.float8_e4m3fn:
+            continue
+        module = name.removesuffix(".weight")
+        parts = [f"{module.removesuffix('qkv_proj')}{s}.weight" for s in ("q_proj", "k_proj", "v_proj")] \
+            if module.endswith("qkv_proj") else [name]
+        want = torch.cat([tensors[n] for n in parts]) if all(n in tensors for n in parts) else None
+        out[name] = want is not None and torch.equal(p.data.view(torch.uint8), want.view(torch.uint8))
+    return out
+
+
 def run_case(case: dict[str, object]) -> dict[str, object]:
     """One case: {"rank_dir", "tp_size", "tp_rank", "engine_args", "env", "vllm_version"}."""
     import torch
@@ -160,6 +182,7 @@ def run_case(case: dict[str, object]) -> dict[str, object]:
     doc.update(compare(model))
     doc["methods"] = sorted({type(m.quant_method).__name__ for m in model.modules()  # type: ignore[attr-defined]
                              if getattr(m, "quant_method", None) is not None})
+    doc["fp8_params"] = fp8_params(model, str(case["rank_dir"]))
     try:
         process_weights_after_loading(model, vllm_config.model_config, torch.device("cpu"))  # type: ignore[attr-defined]
         doc["after_loading"] = "ok"
