@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from tiny import build
 
 from mxfp4conv import check
 from mxfp4conv.cli import cli
@@ -18,6 +17,7 @@ from mxfp4conv.io import safetensors_io
 from mxfp4conv.job import prepare
 from mxfp4conv.pipeline import ConvertOptions, convert
 from mxfp4conv.verify import verify_output
+from tests.builders import build
 
 CASES = [  # (source layout, target): a rename (byte ranges), CPU requants, MXFP4 decoded and re-encoded
     ("ct-mxfp4", "quark"),

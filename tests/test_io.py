@@ -169,7 +169,7 @@ def test_e8m0_slices_are_checked_for_0xff_while_hashed(tmp_path: Path) -> None:
     scales[2, 33] = 0xFF
     save_file({"w.weight_scale": scales}, str(src))
     ref = sio.read_header(src)[0]["w.weight_scale"]
-    entries = [("w.weight_scale", "U8", (4, 40))]
+    entries: list[tuple[str, str, tuple[int, ...]]] = [("w.weight_scale", "U8", (4, 40))]
     ok = sio.stream_safetensors(tmp_path / "a.safetensors", entries, iter([sio.FileSlice(ref.file, ref.begin, ref.nbytes, ref.name)]))
     assert ok.result(timeout=60) == hashlib.sha256((tmp_path / "a.safetensors").read_bytes()).hexdigest()
     marked = sio.FileSlice(ref.file, ref.begin, ref.nbytes, ref.name, e8m0=True)
@@ -312,7 +312,7 @@ def test_header_entry_fast_path_agrees_with_the_checks(tmp_path: Path) -> None:
         "entry",
     ]
     for entry in entries:
-        results = []
+        results: list[object] = []
         for parse in (sio._parse_entry, sio._checked_entry):
             try:
                 results.append(parse(str(p), p, "t", entry, 8, 64))

@@ -13,10 +13,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors import safe_open
-from tiny import build
 
 from mxfp4conv import pipeline
 from mxfp4conv.cli import cli
+from tests.builders import build
 
 LAYOUTS = ["ct-mxfp4", "gpt-oss", "modelopt-nvfp4", "ct-nvfp4"]
 

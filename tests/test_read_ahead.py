@@ -5,12 +5,11 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from tiny import build
-
 from mxfp4conv.job import ConvertOptions, direct_slices, prepare
 from mxfp4conv.pipeline import plan_shards
 from mxfp4conv.units import read_ahead as _read_ahead
 from mxfp4conv.units import read_sizes as _read_sizes
+from tests.builders import build
 
 
 def test_the_next_moe_layer_is_read_while_this_one_is_transformed(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tiny import build
+from tests.builders import build
 
 PEAK = ("import json,resource,sys;from mxfp4conv.pipeline import convert,ConvertOptions;"
         "convert(sys.argv[1],sys.argv[2],ConvertOptions(target=sys.argv[3],device='cpu'));"
@@ -19,9 +19,8 @@ def peak_rss_kib(src: Path, dst: Path, target: str) -> int:
 
 
 def test_peak_rss_is_flat_in_model_size(tmp_path: Path) -> None:
-    dims = {"experts": 8, "hidden": 512, "inter": 512, "shards": 2}
-    small = build("ct-mxfp4", tmp_path / "small", layers=2, **dims)
-    large = build("ct-mxfp4", tmp_path / "large", layers=8, **dims)
+    small = build("ct-mxfp4", tmp_path / "small", layers=2, experts=8, hidden=512, inter=512, shards=2)
+    large = build("ct-mxfp4", tmp_path / "large", layers=8, experts=8, hidden=512, inter=512, shards=2)
     layer_bytes = 8 * 3 * 512 * 512 * (1 / 2 + 1 / 32)  # one layer's expert codes + scales, ~3.3 MB
     data_small = sum(p.stat().st_size for p in small.glob("*.safetensors"))
     data_large = sum(p.stat().st_size for p in large.glob("*.safetensors"))
