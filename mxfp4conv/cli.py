@@ -294,7 +294,7 @@ def _render_convert(doc: dict[str, Any]) -> None:
         busy = ", ".join(f"{k} {sec[k]:.1f}" for k in ("read", "transform", "write", "hash", "verify") if sec.get(k))
         if busy:
             _err.print(f"busy seconds per stage (read, transform, write and hash overlap, the largest bounds the "
-                       f"conversion; verify runs after): {busy}")
+                       f"conversion; verify checks each unit while it is written): {busy}")
         _err.print(f"[green]done:[/] {_safe(doc['destination'])} ({doc['bytes_written']:,} bytes, "
                    f"{doc['seconds'].get('total', 0):.1f} s)" + (", verified" if v and v.get("ok") else ", NOT verified"),
                    markup=True)

@@ -9,15 +9,17 @@ __all__ = [
     "EXIT_USAGE",
     "EXIT_VERIFY",
     "ConvertError",
+    "EnvironmentProblem",
     "InputError",
     "OutputError",
+    "StagingError",
     "UsageError",
     "VerificationFailed",
 ]
 
 EXIT_OK = 0
-EXIT_INVALID = 1  # input rejected, unreadable, unsupported pair, output problem
-EXIT_USAGE = 2  # bad command line (click's own code)
+EXIT_INVALID = 1  # input rejected, unreadable, unsupported pair, output or environment problem
+EXIT_USAGE = 2  # a flag or setting that cannot be honoured (click's own code for bad command lines)
 EXIT_VERIFY = 3  # the output does not match the source
 EXIT_INTERNAL = 123  # a bug in mxfp4conv
 
@@ -52,7 +54,19 @@ class InputError(ConvertError):
 
 
 class UsageError(ConvertError):
-    """Options that make no sense together (e.g. a (source, target) pair that cannot be served)."""
+    """A flag or setting mxfp4conv cannot honour (an ``MXFP4CONV_*`` mode, a target name, a ``--ray``
+    address): exit 2, as click's own usage errors."""
+
+    exit_code = EXIT_USAGE
+
+
+class StagingError(ConvertError):
+    """A staging folder of ``--resume`` / ``--partition`` / ``--finish`` that belongs to another conversion
+    or lacks a shard (kept as it is: other partitions may own it)."""
+
+
+class EnvironmentProblem(ConvertError):
+    """The machine cannot run the job as asked (a package missing, a cluster unreachable)."""
 
 
 class OutputError(ConvertError):

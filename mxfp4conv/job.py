@@ -77,7 +77,8 @@ class Job:
 
 
 def prepare(src: str | Path, opts: ConvertOptions) -> Job:
-    """Open, detect, validate and plan SRC for ``opts.target``; ``InputError`` / ``UsageError`` when it cannot be."""
+    """Open, detect, validate and plan SRC for ``opts.target``; ``InputError`` (the source, or a target it cannot
+    be written to) / ``UsageError`` (an option) when it cannot be."""
     ckpt = open_checkpoint(src, opts.revision)
     layout, plan, _ = analyze(ckpt)
     if plan.problems:
@@ -96,7 +97,7 @@ def prepare(src: str | Path, opts: ConvertOptions) -> Job:
         ctx = writer_context(plan, ckpt, {**opts.extra, "target": name, "scale_rule": opts.scale_rule})
         why = target.refuse(ctx)
     if why:
-        raise UsageError(f"cannot convert {plan.layout} ({plan.facts.model_type}) to --to {name}: {why}")
+        raise InputError(f"cannot convert {plan.layout} ({plan.facts.model_type}) to --to {name}: {why}")
     return Job(ckpt, layout, plan, target, ctx, opts)
 
 

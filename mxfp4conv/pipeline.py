@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 from mxfp4conv import __version__
 from mxfp4conv.check import InlineVerifier, check_structure
-from mxfp4conv.errors import OutputError, UsageError
+from mxfp4conv.errors import OutputError, StagingError, UsageError
 from mxfp4conv.inspect import SCHEMA_VERSION
 from mxfp4conv.io.atomic import check_destination, publish, remove_tree, staging_path
 from mxfp4conv.io.checkpoint import PICKLE_SUFFIXES, Checkpoint
@@ -367,7 +367,7 @@ def _write_all(job: Job, shard_plans: list[tuple[str, WriterContext, list[_Shard
                     reused = True
                     continue
                 if opts.finish:
-                    raise UsageError(f"shard {rel} is missing or damaged in the staging folder",
+                    raise StagingError(f"shard {rel} is missing or damaged in the staging folder",
                                      hint="rerun the --partition i/n conversion that owns it (shard index mod n)")
                 remove_tree(path)
                 before = set(report.requant_stats)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mxfp4conv.errors import ConvertError, UsageError
+from mxfp4conv.errors import ConvertError, EnvironmentProblem, UsageError
 from mxfp4conv.io.atomic import remove_tree, staging_path
 from mxfp4conv.io.checkpoint import resolve_source
 from mxfp4conv.pipeline import ConvertOptions, ConvertReport, Progress, convert
@@ -54,7 +54,7 @@ def _import_ray() -> Any:
     try:
         import ray
     except ImportError as exc:
-        raise UsageError("--ray needs the Ray package, which is not installed", hint=_INSTALL_HINT) from exc
+        raise EnvironmentProblem("--ray needs the Ray package, which is not installed", hint=_INSTALL_HINT) from exc
     return ray
 
 
@@ -68,7 +68,7 @@ def _probe(address: str) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
     except OSError as exc:
-        raise UsageError(f"cannot reach the Ray cluster at {address}: {exc.strerror or exc}",
+        raise EnvironmentProblem(f"cannot reach the Ray cluster at {address}: {exc.strerror or exc}",
                          hint="start it with `ray start --head` or check the head node's address and port") from exc
 
 
@@ -115,13 +115,13 @@ def convert_on_ray(src: str | Path, dst: str | Path, opts: ConvertOptions, addre
             ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR, configure_logging=True)
         except Exception as exc:  # ConnectionError, ValueError (bad address), RuntimeError, ...
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise UsageError(f"cannot connect to the Ray cluster at {address}: {first}",
+            raise EnvironmentProblem(f"cannot connect to the Ray cluster at {address}: {first}",
                              hint="check the address (HOST:PORT of `ray start --head`) and that Ray versions match") from exc
     try:
         resource = "GPU" if gpu else "CPU"
         slots = int(ray.cluster_resources().get(resource, 0))
         if slots < 1:
-            raise UsageError(f"the Ray cluster at {address} has no {resource}s",
+            raise EnvironmentProblem(f"the Ray cluster at {address} has no {resource}s",
                              hint="use --device cpu" if gpu else "start the nodes with --num-cpus >= 1")
         n = max(1, min(len(plan.shards), slots))
         src_abs = os.path.abspath(resolve_source(str(src), opts.revision)[0])  # HF repo ids: the cached snapshot

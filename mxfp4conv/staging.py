@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from mxfp4conv.errors import UsageError
+from mxfp4conv.errors import StagingError
 from mxfp4conv.io.atomic import remove_tree
 from mxfp4conv.io.safetensors_io import InflightBudget
 from mxfp4conv.job import ConvertOptions
@@ -53,7 +53,7 @@ def prepare_staging(staging: Path, fingerprint: dict[str, Any], opts: ConvertOpt
                 continue
             if rec.get("fingerprint") != fingerprint:
                 if opts.partition is not None or opts.finish:
-                    raise UsageError(f"staging folder {staging} belongs to a conversion with other inputs or options",
+                    raise StagingError(f"staging folder {staging} belongs to a conversion with other inputs or options",
                                      hint="rerun every partition with the same SRC and options, or delete it")
                 continue
             finished.update(rec.get("shards", {}))
@@ -62,7 +62,7 @@ def prepare_staging(staging: Path, fingerprint: dict[str, Any], opts: ConvertOpt
     elif not resuming:
         remove_tree(staging)
     if opts.finish and not staging.is_dir():
-        raise UsageError(f"nothing to finish: no staging folder {staging}",
+        raise StagingError(f"nothing to finish: no staging folder {staging}",
                          hint="run the --partition i/n conversions first")
     staging.mkdir(parents=True, exist_ok=True)  # partitions starting together may race to create it
     return finished

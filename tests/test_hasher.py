@@ -261,5 +261,5 @@ def test_native_mode_without_a_build_is_a_usage_error(srcs: dict[str, Path], tmp
     _no_build(monkeypatch, tmp_path)
     monkeypatch.setenv("MXFP4CONV_HASHER", "native")
     res = CliRunner().invoke(cli, ["convert", str(srcs["ct-mxfp4"]), str(tmp_path / "o"), "--to", "quark"])
-    assert res.exit_code == 1 and not (tmp_path / "o").exists()
+    assert res.exit_code == 2 and not (tmp_path / "o").exists()
     assert "MXFP4CONV_HASHER=native" in res.stderr and "Traceback" not in res.stderr

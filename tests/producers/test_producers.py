@@ -38,7 +38,7 @@ import torch
 from click.testing import CliRunner
 
 from mxfp4conv.cli import cli
-from mxfp4conv.errors import UsageError
+from mxfp4conv.errors import InputError
 from mxfp4conv.inspect import inspect_checkpoint
 from tests.producers.producers_lib import (
     assemble_state_dict,
@@ -238,7 +238,7 @@ def test_convert_and_load(name: str, target: str, fixture_path: Callable[[str], 
     src = fixture_path(name)
     offered = inspect_checkpoint(src).targets
     if target not in offered:
-        with pytest.raises(UsageError, match="cannot convert"):
+        with pytest.raises(InputError, match="cannot convert"):
             converted(name, target)
         return
     out, report = converted(name, target)
