@@ -8,8 +8,8 @@ Public API::
     result = convert("./ckpt", "./out", ConvertOptions(target="ct"))  # ConvertReport
     check = verify_output("./ckpt", "./out")                     # VerifyReport
 
-and the ``ConvertError`` family (``InputError``, ``UsageError``, ``OutputError``,
-``VerificationFailed``), each carrying the process exit code the CLI uses (``exit_code``).
+and the ``ConvertError`` family (``InputError``, ``UsageError``, ``OutputError``, ``StagingError``,
+``EnvironmentProblem``, ``VerificationFailed``), each carrying the process exit code the CLI uses (``exit_code``).
 
 ``import mxfp4conv`` stays light: the functions and report classes are imported on first use
 (PEP 562), so neither torch nor the pipeline is loaded until one of them is asked for.
@@ -19,7 +19,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from mxfp4conv.errors import ConvertError, InputError, OutputError, UsageError, VerificationFailed
+from mxfp4conv.errors import (
+    ConvertError,
+    EnvironmentProblem,
+    InputError,
+    OutputError,
+    StagingError,
+    UsageError,
+    VerificationFailed,
+)
 
 __version__ = "0.1.0"
 
@@ -27,9 +35,11 @@ __all__ = [
     "ConvertError",
     "ConvertOptions",
     "ConvertReport",
+    "EnvironmentProblem",
     "InputError",
     "InspectReport",
     "OutputError",
+    "StagingError",
     "UsageError",
     "VerificationFailed",
     "VerifyReport",
