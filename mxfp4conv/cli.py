@@ -184,6 +184,7 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
       mxfp4conv convert ./src ./out --ray 10.0.0.1:6379   # on a Ray cluster sharing a filesystem
     """
     from mxfp4conv.pipeline import ConvertOptions, ConvertReport, convert
+    from mxfp4conv.writers.base import TargetOptions
 
     def run() -> int:
         if ray_address is not None:
@@ -192,11 +193,7 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
             if clash:
                 raise click.UsageError(f"--ray cannot be combined with {', '.join(clash)} "
                                        "(--ray plans the partitions and devices itself)")
-        extra = {"tp_size": str(tp_size), "engine": engine}
-        if marlin_act != "bf16":
-            extra["marlin_act"] = marlin_act
-        if keep_nvfp4:
-            extra["keep_nvfp4"] = "1"
+        extra = TargetOptions(tp_size=tp_size, engine=engine, marlin_act=marlin_act, keep_nvfp4=keep_nvfp4).as_strings()
         opts = ConvertOptions(target=target, scale_rule=scale_rule, device=_device(device),
                               max_shard_size=parse_size(max_shard_size), overwrite=overwrite, dry_run=dry_run,
                               verify=not no_verify, skip_if_current=skip_if_current, revision=revision, extra=extra,

@@ -103,7 +103,7 @@ def prepare(src: str | Path, opts: ConvertOptions) -> Job:
 
 def needs_device(ctx: WriterContext) -> bool:
     """Whether any unit is requantized (the only work that runs on ``--device``)."""
-    return ctx.facts.source_quant == "nvfp4" and ctx.options.get("keep_nvfp4") != "1"
+    return ctx.facts.source_quant == "nvfp4" and not ctx.target_options.keep_nvfp4
 
 
 def resolve_device(name: str, needed: bool = True) -> str:

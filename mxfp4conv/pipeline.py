@@ -317,7 +317,7 @@ def _fill_plan_report(report: ConvertReport, plan: Plan, target: Target, ctx: Wr
     kinds = [u.kind for u in plan.units]
     report.fused_layers = kinds.count("moe")
     report.passthrough = kinds.count("passthrough")
-    report.requantized = 0 if plan.facts.source_quant == "mxfp4" or ctx.options.get("keep_nvfp4") == "1" else (
+    report.requantized = 0 if plan.facts.source_quant == "mxfp4" or ctx.target_options.keep_nvfp4 else (
         kinds.count("moe") + kinds.count("dense"))
     report.renamed = sum(len(target.out_specs(u, ctx)) for u in plan.units if u.kind != "passthrough")
     for folder, _, shards in shard_plans:
@@ -384,7 +384,7 @@ def _write_all(job: Job, shard_plans: list[tuple[str, WriterContext, list[_Shard
                 index = {"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": dict(sorted(wmap.items()))}
                 (out_dir / "model.safetensors.index.json").write_bytes(json_bytes(index))
             (out_dir / "config.json").write_bytes(json_bytes(target.config(ckpt.config, rctx)))
-            _copy_extras(ckpt.root, out_dir, drop_hqc=job.plan.layout != "modelopt-nvfp4" or rctx.options.get("keep_nvfp4") != "1")
+            _copy_extras(ckpt.root, out_dir, drop_hqc=job.plan.layout != "modelopt-nvfp4" or not rctx.target_options.keep_nvfp4)
             for p in sorted(out_dir.iterdir()):
                 rel = f"{folder}/{p.name}" if folder else p.name
                 if p.is_file() and rel not in outputs and not p.name.startswith(".mxfp4conv-progress"):

@@ -77,7 +77,7 @@ def _transform_on(unit: Any, spec: UnitSpec, job: Job, ctx: WriterContext, devic
     opts, ckpt = job.opts, job.ckpt
     stats: dict[str, Any] = {}
     source = unit
-    if ctx.options.get("keep_nvfp4") != "1":
+    if not ctx.target_options.keep_nvfp4:
         try:
             unit, stats = to_mxfp4(unit, rule=opts.scale_rule, device=device)
         except ValueError as exc:  # invalid NVFP4 scales: name the unit and the first source file

@@ -212,7 +212,7 @@ def verify_output(src: str | Path, dst: str | Path, *, manifest_opts: ConvertOpt
 
                 pin = torch.cuda.is_available()
             want = layout.read(ckpt, spec, pin=pin)
-            if ctx.options.get("keep_nvfp4") != "1":
+            if not ctx.target_options.keep_nvfp4:
                 want, _ = to_mxfp4(want, rule=opts.scale_rule, device=opts.device)
             want = target.slice_for_rank(want, spec, rctx)
 

@@ -9,7 +9,7 @@ canonical unit in the same order, ``decode`` maps written tensors back to the ca
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -20,7 +20,7 @@ from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, ModelFacts, MoEL
 from mxfp4conv.io.safetensors_io import ITEMSIZE
 from mxfp4conv.precision import PrecisionModel
 
-__all__ = ["OutTensor", "SplitTarget", "Target", "WriterContext", "split_names"]
+__all__ = ["OutTensor", "SplitTarget", "Target", "TargetOptions", "WriterContext", "split_names"]
 
 Getter = Callable[[str], "torch.Tensor"]
 
@@ -36,6 +36,36 @@ class OutTensor(NamedTuple):
 
 
 @dataclass(frozen=True)
+class TargetOptions:
+    """The target options of a conversion, typed. ``WriterContext.options`` keeps their string form, which
+    is what manifests record (``--skip-if-current`` compares it) and what travels to Ray tasks."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    engine: str = "vllm"  # "vllm" | "sglang"
+    marlin_act: str = "bf16"  # "bf16" | "fp8"
+    keep_nvfp4: bool = False
+    quark_activations: str | None = None  # "mxfp4" | "none" | None (follow the source's scheme)
+
+    def as_strings(self) -> dict[str, str]:
+        """The string form (the command's options; a rank's ``tp_rank`` is added per rank folder)."""
+        out = {"tp_size": str(self.tp_size), "engine": self.engine}
+        if self.marlin_act != "bf16":
+            out["marlin_act"] = self.marlin_act
+        if self.keep_nvfp4:
+            out["keep_nvfp4"] = "1"
+        if self.quark_activations is not None:
+            out["quark_activations"] = self.quark_activations
+        return out
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> TargetOptions:
+        return cls(tp_size=int(options.get("tp_size", "1")), tp_rank=int(options.get("tp_rank", "0")),
+                   engine=options.get("engine", "vllm"), marlin_act=options.get("marlin_act", "bf16"),
+                   keep_nvfp4=options.get("keep_nvfp4") == "1", quark_activations=options.get("quark_activations"))
+
+
+@dataclass(frozen=True)
 class WriterContext:
     """What a writer may know beyond one unit: facts, source layout, the whole plan, options."""
 
@@ -43,8 +73,12 @@ class WriterContext:
     layout: str
     units: Sequence[UnitSpec]
     passthrough_dtypes: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
-    options: dict[str, str]
+    options: dict[str, str]  # the string form (see TargetOptions)
     precision: PrecisionModel = field(default_factory=PrecisionModel)
+
+    @property
+    def target_options(self) -> TargetOptions:
+        return TargetOptions.parse(self.options)
 
 
 class Target:

@@ -46,14 +46,13 @@ class _Geo:
 
 
 def _opts(ctx: WriterContext) -> tuple[int, int, str, bool]:
-    tp = int(ctx.options.get("tp_size", "1"))
-    rank = int(ctx.options.get("tp_rank", "0"))
-    return tp, rank, ctx.options.get("engine", "vllm"), ctx.options.get("keep_nvfp4") == "1"
+    o = ctx.target_options
+    return o.tp_size, o.tp_rank, o.engine, o.keep_nvfp4
 
 
 def _a8(ctx: WriterContext) -> bool:
     """``--marlin-act fp8``: the FP8-activation (W4A8) tiling and scale layout (MARLIN.md §1-2)."""
-    return ctx.options.get("marlin_act", "bf16") == "fp8"
+    return ctx.target_options.marlin_act == "fp8"
 
 
 def _gptoss(ctx: WriterContext) -> bool:

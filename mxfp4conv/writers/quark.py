@@ -53,7 +53,7 @@ def quantization_config(ctx: WriterContext) -> dict[str, Any]:
     acts = None
     # Activations follow the source scheme (a W4A16 source must not be declared W4A4: runtimes
     # would then QDQ every activation); the "quark_activations" option ("mxfp4" | "none") overrides.
-    if ctx.options.get("quark_activations", "mxfp4" if ctx.facts.scheme == "w4a4" else "none") == "mxfp4":
+    if (ctx.target_options.quark_activations or ("mxfp4" if ctx.facts.scheme == "w4a4" else "none")) == "mxfp4":
         acts = {**weight, "is_dynamic": True}
     layers: dict[str, Any] = {}
     for lin in ctx.precision.fp8.values():
