@@ -47,6 +47,8 @@ demo: $(STAMP)
 	@echo "demo ok: outputs in $(DEMO)/"
 
 test: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 	MXFP4CONV_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -m "not slow and not gpu"
 
 test-slow: $(STAMP)
