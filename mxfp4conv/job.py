@@ -110,13 +110,17 @@ def resolve_device(name: str, needed: bool = True) -> str:
     """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; other names unchanged. With
     ``needed=False`` (nothing will be requantized: renames, Marlin repacks of MXFP4) ``auto`` is
     ``cpu`` without importing torch, so such conversions and ``inspect`` start in a fraction of a second."""
-    if name != "auto":
+    if name != "auto" and not (needed and name.startswith("cuda")):
         return name
     if not needed:
         return "cpu"
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: no CUDA device is visible", hint="use --device cpu (same bytes) or auto")
+    return name
 
 
 def cpu_kernel(device: str, needed: bool) -> str | None:

@@ -102,7 +102,8 @@ def convert_on_ray(src: str | Path, dst: str | Path, opts: ConvertOptions, addre
     ray = _import_ray()
     from mxfp4conv.pipeline import resolve_device
 
-    opts = dataclasses.replace(opts, device=resolve_device(opts.device))  # auto: the driver's GPUs decide
+    if opts.device == "auto":  # the driver's GPUs decide; an explicit device is the tasks' (their nodes have it)
+        opts = dataclasses.replace(opts, device=resolve_device(opts.device))
     plan = convert(src, dst, dataclasses.replace(opts, dry_run=True))  # input and DST checks, shard list
     fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(ConvertReport)}
     if plan.status == "skipped":
