@@ -1,9 +1,10 @@
 """How the writers describe the layers they do not convert: FP8 Linears, unquantized Linears, the KV cache.
 
 The plan's precision model (``mxfp4conv.precision``) says what each layer is; this module turns it into
-what a runtime config needs (docs/FORMATS.md §9): the patterns of unquantized modules (the source's own
-wildcards kept as ``re:`` patterns, then the exact names they do not cover), the FP8 modules grouped by
-scheme, and the reason a target cannot express a source at all (checked before any work).
+what a runtime config needs (docs/FORMATS.md §9): the entries of unquantized modules (the source's own
+wildcards kept as ``re:`` patterns, and every module by exact name), the FP8 modules grouped by scheme,
+the runtime's Attention layers, and the reason a target cannot express a source at all (checked before
+any work).
 """
 
 from __future__ import annotations
