@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
 from tests import builders
+from tests.measured import REPORT
 
 # Loaded before any test module: examples/tiny.py is importable as ``tiny`` without a sys.path entry.
 tiny = builders.tiny
+
+
+@pytest.fixture
+def record(request: pytest.FixtureRequest, record_property: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
+    """Record a measured number: printed now (visible with -s), in the junit XML, and in the summary."""
+
+    def rec(key: str, value: Any) -> None:
+        line = f"{request.node.name}: {key} = {value}"
+        print(line)
+        record_property(key, value)
+        REPORT.append(line)
+
+    return rec
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if REPORT:
+        terminalreporter.section("measured numbers")
+        for line in REPORT:
+            terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -21,9 +21,10 @@ from typing import Any
 
 import pytest
 
+from tests.measured import REPORT
+
 HERE = Path(__file__).resolve().parent
 BUILDER = HERE / "build_fixtures.py"
-REPORT: list[str] = []  # lines printed in the terminal summary (numbers the tests measured)
 
 
 def _stamp() -> dict[str, str]:
@@ -99,21 +100,3 @@ def converted(tmp_path_factory: pytest.TempPathFactory, fixture_path: Callable[[
     return run
 
 
-@pytest.fixture
-def record(request: pytest.FixtureRequest, record_property: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
-    """Record a measured number: printed now (visible with -s), in the junit XML, and in the summary."""
-
-    def rec(key: str, value: Any) -> None:
-        line = f"{request.node.name}: {key} = {value}"
-        print(line)
-        record_property(key, value)
-        REPORT.append(line)
-
-    return rec
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if REPORT:
-        terminalreporter.section("producer fixtures: measured numbers")
-        for line in REPORT:
-            terminalreporter.write_line(line)

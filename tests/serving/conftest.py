@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mxfp4conv.cli import cli
+from tests.measured import REPORT
 from tests.serving import serving_sources as S
 from tests.serving.serving_sources import Served, top20_error
 
@@ -35,7 +36,6 @@ HERE = Path(__file__).resolve().parent
 
 SERVE = HERE / "vllm_serve.py"
 MARK = "MXFP4CONV-SERVING-RESULT"
-REPORT: list[str] = []
 
 
 def vllm_python() -> str | None:
@@ -85,20 +85,13 @@ def corrupt_expert_scales(src: Path, dst: Path, layer: int = 0) -> int:
 def swap_gate_up(src: Path, dst: Path, layer: int = 1) -> int:
     """Copy of a Quark output whose experts in ``layer`` have gate_proj and up_proj swapped (weights and
     scales, as a writer mixing up the two halves of w13 would). Returns how many pairs were swapped."""
-    shutil.copytree(src, dst)
-    tensors: dict[str, torch.Tensor] = {}
-    where: dict[str, Path] = {}
-    for f in sorted(dst.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            for k in fh.keys():  # noqa: SIM118
-                tensors[k], where[k] = fh.get_tensor(k), f
+    tensors, where = S.copy_tensors(src, dst)
     prefix = f"model.layers.{layer}.mlp.experts."
     gates = [k for k in tensors if k.startswith(prefix) and ".gate_proj." in k]
     for k in gates:
         u = k.replace(".gate_proj.", ".up_proj.")
         tensors[k], tensors[u] = tensors[u], tensors[k]
-    for f in sorted(set(where.values())):
-        save_file({k: v for k, v in tensors.items() if where[k] == f}, str(f), metadata={"format": "pt"})
+    S.save_tensors(tensors, where)
     return len(gates)
 
 
@@ -215,19 +208,3 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
     return sv
 
 
-@pytest.fixture
-def record(request: pytest.FixtureRequest, record_property: Any) -> Any:
-    def rec(key: str, value: Any) -> None:
-        line = f"{request.node.name}: {key} = {value}"
-        print(line)
-        record_property(key, value)
-        REPORT.append(line)
-
-    return rec
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if REPORT:
-        terminalreporter.section("serving (vLLM CPU): measured numbers")
-        for line in REPORT:
-            terminalreporter.write_line(line)

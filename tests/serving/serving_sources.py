@@ -208,14 +208,9 @@ def top20_error(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor | None = No
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
-def quark_dense_to_bf16(src: Path, dst: Path) -> list[str]:
-    """Copy of a Quark MXFP4 output whose dense (non-expert) MXFP4 Linears are dequantized to BF16 and
-    excluded, and whose activations are left unquantized (W4A16): what vLLM's CPU build could run of
-    it if dense MXFP4 Linears and MXFP4 activations were its only limits. Returns the modules changed."""
-    import re
-
+def copy_tensors(src: Path, dst: Path) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """Copy the checkpoint ``src`` to ``dst``; every tensor of the copy and the shard holding it."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     shutil.copytree(src, dst)
     tensors: dict[str, torch.Tensor] = {}
@@ -224,6 +219,24 @@ def quark_dense_to_bf16(src: Path, dst: Path) -> list[str]:
         with safe_open(str(f), "pt") as fh:
             for k in fh.keys():  # noqa: SIM118
                 tensors[k], where[k] = fh.get_tensor(k), f
+    return tensors, where
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], where: dict[str, Path]) -> None:
+    """Write ``tensors`` back into the shards ``where`` names (tensors absent from ``tensors`` are dropped)."""
+    from safetensors.torch import save_file
+
+    for f in sorted(set(where.values())):
+        save_file({k: v for k, v in tensors.items() if where[k] == f}, str(f), metadata={"format": "pt"})
+
+
+def quark_dense_to_bf16(src: Path, dst: Path) -> list[str]:
+    """Copy of a Quark MXFP4 output whose dense (non-expert) MXFP4 Linears are dequantized to BF16 and
+    excluded, and whose activations are left unquantized (W4A16): what vLLM's CPU build could run of
+    it if dense MXFP4 Linears and MXFP4 activations were its only limits. Returns the modules changed."""
+    import re
+
+    tensors, where = copy_tensors(src, dst)
     changed = []
     for k in list(tensors):
         scale = tensors.get(k + "_scale")
@@ -235,8 +248,7 @@ def quark_dense_to_bf16(src: Path, dst: Path) -> list[str]:
             tensors[k] = w.to(torch.bfloat16)
             del tensors[k + "_scale"]
             changed.append(k.removesuffix(".weight"))
-    for f in sorted(set(where.values())):
-        save_file({k: v for k, v in tensors.items() if where[k] == f}, str(f), metadata={"format": "pt"})
+    save_tensors(tensors, where)
     index = dst / "model.safetensors.index.json"
     if index.exists():
         doc = json.loads(index.read_text())
