@@ -9,11 +9,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import heapq
 import json
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,8 +32,8 @@ from mxfp4conv.io.safetensors_io import (
     BATCH_BYTES,
     CheckRange,
     FileSlice,
+    ShardStream,
     st_dtype,
-    stream_safetensors,
 )
 from mxfp4conv.job import (  # re-exported: the options and helpers callers know from here
     GB,
@@ -47,8 +48,8 @@ from mxfp4conv.job import (  # re-exported: the options and helpers callers know
 )
 from mxfp4conv.layouts.base import Plan
 from mxfp4conv.staging import (
-    PENDING_SHARDS,
     PROGRESS_GLOB,
+    SHARD_WINDOW,
     ShardFinisher,
     json_bytes,
     prepare_staging,
@@ -56,7 +57,7 @@ from mxfp4conv.staging import (
     reuse,
     sha256_file,
 )
-from mxfp4conv.units import read_ahead, read_sizes, unit_results
+from mxfp4conv.units import UnitResult, read_ahead, read_sizes, unit_results
 from mxfp4conv.writers import OutTensor, Target, WriterContext
 from mxfp4conv.writers.base import UnitSpec
 
@@ -155,35 +156,123 @@ def check_hasher() -> None:
 REQUANT_NUMERICS = 2
 
 
-def _encode_shard(shard: _ShardPlan, job: Job, ctx: WriterContext, report: ConvertReport,
+def interleave(sizes: list[list[int]]) -> list[tuple[int, int]]:
+    """The production order of shards written at once, as (shard, unit) pairs: each shard's units in
+    their order, and next always the shard with the smallest share of its bytes produced (ties: the
+    lower index), so that the shards grow together and finish together. ``sizes``: each shard's
+    units' output bytes."""
+    totals = [max(1, sum(s)) for s in sizes]
+    heap = [(0.0, i) for i, s in enumerate(sizes) if s]
+    heapq.heapify(heap)
+    made = [0] * len(sizes)
+    nxt = [0] * len(sizes)
+    order: list[tuple[int, int]] = []
+    while heap:
+        _, i = heapq.heappop(heap)
+        k = nxt[i]
+        order.append((i, k))
+        made[i] += sizes[i][k]
+        nxt[i] += 1
+        if nxt[i] < len(sizes[i]):
+            heapq.heappush(heap, (made[i] / totals[i], i))
+    return order
+
+
+def windows(n: int, most: int) -> list[range]:
+    """``n`` shards in consecutive groups of at most ``most``, as even as possible (7 by 4: 4 + 3), so
+    that the last group also has several shards whose sha256s run in parallel."""
+    if n <= 0:
+        return []
+    count = -(-n // most)
+    base, extra = divmod(n, count)
+    out: list[range] = []
+    start = 0
+    for g in range(count):
+        size = base + (1 if g < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+@dataclass
+class _OpenShard:
+    """A shard of the window being produced: its plan, where it is written, its stream, the requant
+    statistics of its units and how many of its units are fed."""
+
+    plan: _ShardPlan
+    rel: str
+    path: Path
+    stream: ShardStream
+    stats: dict[str, Any] = field(default_factory=dict)
+    fed: int = 0
+
+
+def _unit_items(spec: UnitSpec, res: UnitResult, job: Job, ctx: WriterContext, verifier: InlineVerifier | None,
+                path: Path) -> tuple[list[torch.Tensor | FileSlice | CheckRange], int]:
+    """A unit's items for its shard's stream (its outputs, then, with ``verifier``, the check of their
+    bytes, run once they are written) and its output bytes."""
+    expect = job.target.out_specs(spec, ctx)
+    items: list[torch.Tensor | FileSlice | CheckRange] = []
+    nbytes = 0
+    for o, t in zip(expect, res.outs, strict=True):
+        if isinstance(t, FileSlice):
+            nbytes += t.length
+            items.append(t)
+            continue
+        if st_dtype(t.dtype) != o.dtype or tuple(t.shape) != o.shape:
+            raise AssertionError(f"{o.name}: encoded {st_dtype(t.dtype)}{list(t.shape)}, planned {o.dtype}{list(o.shape)}")
+        nbytes += t.numel() * t.element_size()
+        items.append(t)
+    if verifier is not None:
+        if res.want is None:
+            items.append(verifier.copied(expect, res.outs, path, nbytes))
+        else:
+            items.append(verifier.decoded(job.target.slice_for_rank(res.want, spec, ctx), spec, ctx, path))
+    return items, nbytes
+
+
+def _write_window(todo: list[tuple[_ShardPlan, str, Path]], job: Job, ctx: WriterContext, report: ConvertReport,
                   on_progress: Progress | None, done: list[int], total: int, verifier: InlineVerifier | None,
-                  path: Path) -> Iterator[torch.Tensor | FileSlice | CheckRange]:
-    """The shard's items for the writer, unit by unit; with ``verifier``, each unit's outputs are
-    followed by the check of their bytes (run once they are written)."""
-    for spec, res in zip(shard.units, unit_results(shard.units, job, ctx, verifier is not None), strict=True):
-        report.requant_stats.update(res.stats)
-        report.seconds["read"] = report.seconds.get("read", 0.0) + res.t_read
-        report.seconds["transform"] = report.seconds.get("transform", 0.0) + res.t_transform
-        expect = job.target.out_specs(spec, ctx)
-        nbytes = 0
-        for o, t in zip(expect, res.outs, strict=True):
-            if isinstance(t, FileSlice):
-                nbytes += t.length
-                yield t
-                continue
-            if st_dtype(t.dtype) != o.dtype or tuple(t.shape) != o.shape:
-                raise AssertionError(f"{o.name}: encoded {st_dtype(t.dtype)}{list(t.shape)}, planned {o.dtype}{list(o.shape)}")
-            nbytes += t.numel() * t.element_size()
-            yield t
-        if verifier is not None:
-            if res.want is None:
-                yield verifier.copied(expect, res.outs, path, nbytes)
-            else:
-                yield verifier.decoded(job.target.slice_for_rank(res.want, spec, ctx), spec, ctx, path)
-        done[0] += nbytes
-        del res
-        if on_progress:
-            on_progress(done[0], total)
+                  fin: ShardFinisher) -> None:
+    """Produce a window of shards at once, their units interleaved (``interleave``); each shard is
+    handed to ``fin`` (hash, checks and fsync finishing on its threads) once its last unit is queued."""
+    target = job.target
+    sizes = [[sum(t.nbytes for t in target.out_specs(u, ctx)) for u in plan.units] for plan, _, _ in todo]
+    order = interleave(sizes)
+    opened: list[_OpenShard] = []
+    try:
+        for plan, rel, path in todo:
+            remove_tree(path)
+            stream = ShardStream(path, [(t.name, t.dtype, t.shape) for t in plan.tensors], target.shard_metadata(ctx),
+                                 fin.budget)
+            opened.append(_OpenShard(plan, rel, path, stream))
+        specs = [opened[i].plan.units[k] for i, k in order]
+        for (i, _), spec, res in zip(order, specs, unit_results(specs, job, ctx, verifier is not None), strict=True):
+            sh = opened[i]
+            report.requant_stats.update(res.stats)
+            sh.stats.update(res.stats)
+            report.seconds["read"] = report.seconds.get("read", 0.0) + res.t_read
+            report.seconds["transform"] = report.seconds.get("transform", 0.0) + res.t_transform
+            items, nbytes = _unit_items(spec, res, job, ctx, verifier, sh.path)
+            del res
+            for item in items:
+                sh.stream.feed(item)
+            del items
+            sh.fed += 1
+            if sh.fed == len(sh.plan.units):
+                fin.pending.append((sh.rel, sh.stream.finish(), sh.stats))
+            done[0] += nbytes
+            if on_progress:
+                on_progress(done[0], total)
+        for sh in opened:
+            if not sh.plan.units:  # a shard of no units (never planned today): header only
+                fin.pending.append((sh.rel, sh.stream.finish(), sh.stats))
+    except BaseException:
+        finished = {rel for rel, _, _ in fin.pending}
+        for sh in opened:
+            if sh.rel not in finished:
+                sh.stream.abort()
+        raise
 
 
 def _copy_extras(src: Path, dst: Path, drop_hqc: bool) -> list[str]:
@@ -350,6 +439,7 @@ def _write_all(job: Job, shard_plans: list[tuple[str, WriterContext, list[_Shard
             out_dir = staging / folder if folder else staging
             out_dir.mkdir(exist_ok=True)
             wmap: dict[str, str] = {}
+            todo: list[tuple[_ShardPlan, str, Path]] = []  # shards this run writes, in order
             for shard in shards:
                 j += 1
                 rel = f"{folder}/{shard.file}" if folder else shard.file
@@ -369,14 +459,10 @@ def _write_all(job: Job, shard_plans: list[tuple[str, WriterContext, list[_Shard
                 if opts.finish:
                     raise StagingError(f"shard {rel} is missing or damaged in the staging folder",
                                      hint="rerun the --partition i/n conversion that owns it (shard index mod n)")
-                remove_tree(path)
-                before = set(report.requant_stats)
-                entries = [(t.name, t.dtype, t.shape) for t in shard.tensors]
-                meta = target.shard_metadata(rctx)
-                items = _encode_shard(shard, job, rctx, report, on_progress, done, total, verifier, path)
-                fut = stream_safetensors(path, entries, items, meta, fin.budget)
-                fin.settle(PENDING_SHARDS - 1)  # earlier shards, whose hash and fsync overlapped this one's production
-                fin.pending.append((rel, fut, {k: report.requant_stats[k] for k in set(report.requant_stats) - before}))
+                todo.append((shard, rel, path))
+            for group in windows(len(todo), SHARD_WINDOW):
+                _write_window([todo[g] for g in group], job, rctx, report, on_progress, done, total, verifier, fin)
+                fin.settle(len(group))  # the previous window's shards, whose hash and fsync overlapped this one
             fin.settle()
             if opts.partition is not None:
                 continue

@@ -1,5 +1,5 @@
 """The staging folder of a conversion: finished shards recorded for ``--resume`` / ``--partition`` /
-``--finish``, and the shards whose hash, checks and fsync finish while the next one is produced."""
+``--finish``, and the shards whose hash, checks and fsync finish while the next ones are produced."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from mxfp4conv.io.atomic import remove_tree
 from mxfp4conv.io.safetensors_io import InflightBudget
 from mxfp4conv.job import ConvertOptions
 
-__all__ = ["PENDING_SHARDS", "PROGRESS_GLOB", "ShardFinisher", "json_bytes", "prepare_staging", "progress_file",
+__all__ = ["PROGRESS_GLOB", "SHARD_WINDOW", "ShardFinisher", "json_bytes", "prepare_staging", "progress_file",
            "reuse", "sha256_file"]
 
 
@@ -73,15 +73,18 @@ def reuse(path: Path, rec: dict[str, Any] | None) -> bool:
     return bool(rec) and path.is_file() and sha256_file(path) == rec["sha256"]  # type: ignore[index]
 
 
-# Shards still finishing their hash and fsync while the next one is produced. Their hashers hold no
-# queued memory (computed bytes are read back from the page cache once written), so they hash in
-# parallel (one core each) while the producer runs at the disk's pace (BENCHMARKS.md).
-PENDING_SHARDS = 2
+# Shards produced at once, their units interleaved so that they grow together (pipeline.interleave).
+# A shard's sha256 runs on one core (~1-1.3 GB/s on an H200 host), slower than that host's disk takes
+# the output: one shard at a time, its hash fell behind and the last shard's finished seconds after
+# the last byte was written. Four files hashed in parallel keep up with a disk of ~4 GB/s, and their hashers
+# hold no queued memory (computed bytes are read back from the page cache once written). The shards
+# of the previous window finish their hash and fsync while the next window is produced.
+SHARD_WINDOW = 4
 
 
 class ShardFinisher:
-    """Shards whose last hashing and fsync run on helper threads while the next shard is produced:
-    up to PENDING_SHARDS pending, their queued bytes under one budget. A shard is recorded as finished
+    """Shards whose last hashing and fsync run on helper threads while the next window is produced
+    (``pending``), their queued bytes under one budget. A shard is recorded as finished
     (in the progress file that --resume reads) only once its digest is known."""
 
     def __init__(self, progress_path: Path, fingerprint: dict[str, Any], report: Any,

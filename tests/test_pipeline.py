@@ -314,7 +314,7 @@ def test_failed_partition_keeps_the_others_shards(srcs: dict[str, Path], tmp_pat
         raise OutputError("cannot write shard: No space left on device", file="x", hint="free disk space")
 
     with monkeypatch.context() as m:
-        m.setattr(pipeline, "stream_safetensors", full_disk)
+        m.setattr(pipeline, "ShardStream", full_disk)
         code, _, err = run("convert", args[0], str(tmp_path / "o"), *args[1:], "--partition", "1/2")
     assert code != 0 and "No space left" in err
     assert {p.name: p.read_bytes() for p in staging.glob("*.safetensors")} == kept  # partition 0's work survives

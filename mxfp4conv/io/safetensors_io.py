@@ -46,10 +46,12 @@ __all__ = [  # and DTYPES, built lazily by the module __getattr__
     "CheckRange",
     "FileSlice",
     "InflightBudget",
+    "ShardStream",
     "TensorRef",
     "load_json",
     "read_header",
     "read_many",
+    "read_parts",
     "stream_safetensors",
     "tensor_view",
 ]
@@ -300,11 +302,16 @@ def _pool() -> Any:
 
 def read_many(items: list[tuple[TensorRef, memoryview]]) -> None:
     """Read each tensor's bytes into its buffer (exactly ``nbytes`` long), in parallel pieces."""
-    pieces = []
     for ref, buf in items:
         if len(buf) != ref.nbytes:
             raise ValueError(f"{ref.name}: destination of {len(buf)} bytes, need {ref.nbytes}")
-        pieces += [(ref, buf[off:off + READ_PIECE], off) for off in range(0, ref.nbytes, READ_PIECE)]
+    read_parts([(ref, buf, 0) for ref, buf in items])
+
+
+def read_parts(items: list[tuple[TensorRef, memoryview, int]]) -> None:
+    """Read each ``(tensor, buffer, offset)``: the tensor's bytes ``[offset, offset + len(buffer))``,
+    in pieces of at most READ_PIECE bytes on the shared pool."""
+    pieces = [(ref, buf[off:off + READ_PIECE], at + off) for ref, buf, at in items for off in range(0, len(buf), READ_PIECE)]
     if len(pieces) <= 1 or READ_THREADS == 1:
         for ref, part, off in pieces:
             ref.read_part(part, off)
@@ -444,93 +451,121 @@ class InflightBudget:
         self.seconds: dict[str, float] = {"write": 0.0, "hash": 0.0}
 
 
+class ShardStream:
+    """A new safetensors file, written as its tensors are produced: the header at once (``entries``
+    declares (name, dtype, shape) in file order), then ``feed`` each tensor's bytes in that order,
+    then ``finish``. Writing and hashing run on background threads (both release the GIL),
+    overlapping with the producer's reading and transforming; bytes queued for writing count against
+    ``budget`` (1 GiB by default; the hasher reads computed bytes back from the file once written and
+    holds none). A ``CheckRange`` fed between tensors queues a check of the bytes since the previous
+    one, run on a third thread once they are written. Several streams can be open at once, fed by one
+    producer in any interleaving: each file has its own threads, so their sha256s run in parallel."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None, budget: InflightBudget | None = None) -> None:
+        self._sized = [(n, d, s, math.prod(s) * ITEMSIZE[d]) for n, d, s in entries]
+        self._writer = _BackgroundWriter(path, budget or InflightBudget())
+        # Consecutive byte-range copies travel together, and so do consecutive computed buffers (one
+        # hand-off, one writev and one read-back per batch: a ct output has ~800 tensors per MoE layer).
+        self._slices: list[FileSlice] = []
+        self._bufs: list[bytes | memoryview] = []
+        self._held = 0  # bytes of the batch being gathered
+        self._count = 0
+        try:
+            head = _header_bytes(self._sized, metadata)
+            self._writer.put(head)
+        except BaseException:
+            self._writer.abort()
+            raise
+        self._pos = self._checked = len(head)  # file offset of the next byte; end of the last checked range
+
+    def _flush(self) -> None:
+        if self._slices:
+            self._writer.put(tuple(self._slices))
+        if self._bufs:
+            self._writer.put(self._bufs)
+        self._slices, self._bufs, self._held = [], [], 0
+
+    def feed(self, item: bytes | torch.Tensor | FileSlice | CheckRange) -> None:
+        """The next tensor's bytes (a buffer, a tensor or a source byte range), or a check marker."""
+        w = self._writer
+        if isinstance(item, CheckRange):
+            self._flush()
+            w.put_check(item, self._checked, self._pos)
+            self._checked = self._pos
+            return
+        if self._count >= len(self._sized):
+            raise AssertionError(f"planned {len(self._sized)} tensors, produced more")
+        name, dtype, shape, nbytes = self._sized[self._count]
+        self._count += 1
+        raw = item if isinstance(item, FileSlice) else _as_bytes(item)
+        size = raw.length if isinstance(raw, FileSlice) else len(raw)
+        if size != nbytes:
+            raise AssertionError(f"{name}: produced {size} bytes, planned {nbytes} ({dtype}{list(shape)})")
+        self._pos += size
+        if isinstance(raw, FileSlice):
+            if self._bufs:
+                w.put(self._bufs)
+                self._bufs, self._held = [], 0
+            self._slices.append(raw)
+            self._held += size
+            if len(self._slices) >= BATCH_SLICES or self._held >= BATCH_BYTES:
+                w.put(tuple(self._slices))
+                self._slices, self._held = [], 0
+            return
+        if self._slices:
+            w.put(tuple(self._slices))
+            self._slices, self._held = [], 0
+        if size:
+            self._bufs.append(raw)
+            self._held += size
+        if len(self._bufs) >= BATCH_SLICES or self._held >= BATCH_BYTES:
+            w.put(self._bufs)
+            self._bufs, self._held = [], 0
+
+    def finish(self) -> Future[str]:
+        """Queue the last batch; the future resolves to the file's sha256 once its writer, hasher and
+        check threads are done and it is fsynced, or to the error they met (``OutputError`` for the
+        destination; ``InputError`` for a source that changed while copied or a copied E8M0 scale byte
+        0xFF; whatever a check raised). The caller must wait for it before using or removing the file."""
+        try:
+            if self._count != len(self._sized):
+                raise AssertionError(f"planned {len(self._sized)} tensors, produced {self._count}")
+            self._flush()
+        except BaseException:
+            self._writer.abort()
+            raise
+        done: Future[str] = Future()
+        writer = self._writer
+
+        def close() -> None:
+            try:
+                done.set_result(writer.close())
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        threading.Thread(target=close, name="mxfp4conv-finish", daemon=True).start()
+        return done
+
+    def abort(self) -> None:
+        """Stop the file's threads (after an error elsewhere); the caller removes the file."""
+        self._writer.abort()
+
+
 def stream_safetensors(path: Path, entries: list[tuple[str, str, tuple[int, ...]]],
                        data: Iterable[bytes | torch.Tensor | FileSlice | CheckRange],
                        metadata: dict[str, str] | None = None,
                        budget: InflightBudget | None = None) -> Future[str]:
-    """Stream tensors into a new safetensors file; returns as soon as every item is queued.
-
-    ``entries`` declares (name, dtype, shape) in file order, so the header is written first and
-    ``data`` (one item per entry, in the same order) can be produced lazily. Writing and hashing run
-    on background threads (both release the GIL), overlapping with the producer's reading and
-    transforming; bytes queued for writing count against ``budget`` (1 GiB by default; the hasher
-    reads computed bytes back from the file once written and holds none). ``CheckRange`` items in
-    ``data`` (not entries) queue a check of the bytes since the previous one, run on a third thread
-    once they are written. The future resolves to the sha256 once the shard's writer, hasher and
-    check threads are done and the file is fsynced, or to the error they met (``OutputError`` for
-    the destination; ``InputError`` for a source that changed while copied or a copied E8M0 scale
-    byte 0xFF; whatever a check raised). The caller must wait for it before using or removing the file."""
-    sized = [(n, d, s, math.prod(s) * ITEMSIZE[d]) for n, d, s in entries]
-    writer = _BackgroundWriter(path, budget or InflightBudget())
+    """Stream ``data`` (one item per entry, in file order, ``CheckRange`` markers between them) into a
+    new safetensors file; returns ``ShardStream.finish``'s future as soon as every item is queued."""
+    stream = ShardStream(path, entries, metadata, budget)
     try:
-        head = _header_bytes(sized, metadata)
-        writer.put(head)
-        # Consecutive byte-range copies travel together, and so do consecutive computed buffers (one
-        # hand-off, one writev and one read-back per batch: a ct output has ~800 tensors per MoE layer).
-        slices: list[FileSlice] = []
-        bufs: list[bytes | memoryview] = []
-        held = 0  # bytes of the batch being gathered
-        pos = checked = len(head)  # file offset of the next byte; end of the last checked range
-        todo = iter(sized)
-        count = 0
         for item in data:
-            if isinstance(item, CheckRange):
-                if slices:
-                    writer.put(tuple(slices))
-                if bufs:
-                    writer.put(bufs)
-                slices, bufs, held = [], [], 0
-                writer.put_check(item, checked, pos)
-                checked = pos
-                continue
-            count += 1
-            entry = next(todo, None)
-            if entry is None:
-                raise AssertionError(f"planned {len(sized)} tensors, produced more")
-            name, dtype, shape, nbytes = entry
-            raw = item if isinstance(item, FileSlice) else _as_bytes(item)
-            size = raw.length if isinstance(raw, FileSlice) else len(raw)
-            if size != nbytes:
-                raise AssertionError(f"{name}: produced {size} bytes, planned {nbytes} ({dtype}{list(shape)})")
-            pos += size
-            if isinstance(raw, FileSlice):
-                if bufs:
-                    writer.put(bufs)
-                    bufs, held = [], 0
-                slices.append(raw)
-                held += size
-                if len(slices) >= BATCH_SLICES or held >= BATCH_BYTES:
-                    writer.put(tuple(slices))
-                    slices, held = [], 0
-                continue
-            if slices:
-                writer.put(tuple(slices))
-                slices, held = [], 0
-            if size:
-                bufs.append(raw)
-                held += size
-            if len(bufs) >= BATCH_SLICES or held >= BATCH_BYTES:
-                writer.put(bufs)
-                bufs, held = [], 0
-        if count != len(sized):
-            raise AssertionError(f"planned {len(sized)} tensors, produced {count}")
-        if slices:
-            writer.put(tuple(slices))
-        if bufs:
-            writer.put(bufs)
+            stream.feed(item)
     except BaseException:
-        writer.abort()
+        stream.abort()
         raise
-    done: Future[str] = Future()
-
-    def finish() -> None:
-        try:
-            done.set_result(writer.close())
-        except BaseException as exc:
-            done.set_exception(exc)
-
-    threading.Thread(target=finish, name="mxfp4conv-finish", daemon=True).start()
-    return done
+    return stream.finish()
 
 
 def copy_runs(slices: tuple[FileSlice, ...]) -> list[tuple[FileSlice, tuple[FileSlice, ...]]]:
