@@ -464,6 +464,42 @@ def requant_rows_cpu(
 GPU_MIN_CHUNK_ROWS = 1 << 17
 
 
+# A weight is requantized whole on the GPU when its bytes are at most 1/RESIDENT_SHARE of the device's
+# memory (its input, its output and the post-write check's second requantization fit there several
+# times over, beside the next unit's read); a larger one streams through in bounded row chunks.
+RESIDENT_SHARE = 8
+
+
+def fits_on_device(nbytes: int, device: str) -> bool:
+    """Whether a weight of ``nbytes`` (packed codes and block scales) is requantized whole on ``device``."""
+    return nbytes * RESIDENT_SHARE <= torch.cuda.get_device_properties(torch.device(device)).total_memory
+
+
+def _requant_resident(w: FP4Weight, rule: ScaleRule, device: str) -> tuple[FP4Weight, RequantStats]:
+    """The GPU path for a weight that fits on the device: moved there unless read there already, requantized
+    in one launch, the results copied back into ordinary host memory (exact-size buffers, freed once
+    written: page-locked ones sized by the unit were most of the GPU path's peak RSS). The scales are
+    validated from the row maxima computed on the device, before anything is returned."""
+    from mxfp4conv.formats.fp4 import e4m3_bits
+    from mxfp4conv.kernels.requant_triton import requant_rows
+
+    assert w.global_rows is not None
+    lead, kh = tuple(w.packed.shape[:-1]), int(w.packed.shape[-1])
+    k = 2 * kh
+    dev = torch.device(device)
+    with torch.cuda.device(dev):
+        p = w.packed.reshape(-1, kh).to(dev)
+        sc = e4m3_bits(w.scales).reshape(-1, k // 16).to(dev)
+        g = w.global_rows.reshape(-1).float().to(dev)
+        po, so, st = requant_rows(p, sc, g, w.global_is_divisor, rule)
+        row_max = torch.amax(torch.bitwise_and(sc, 0x7F), dim=1).cpu().view(lead)
+    problem = validate_nvfp4_scales(w.scales, w.global_rows, divisor=w.global_is_divisor, row_max=row_max)
+    if problem is not None:
+        raise ValueError(f"invalid NVFP4 input: {problem}")
+    stats = RequantStats.from_row_stats(st.cpu(), k // MX_BLOCK)
+    return FP4Weight("mxfp4", po.cpu().view(*lead, kh), so.cpu().view(*lead, k // MX_BLOCK)), stats
+
+
 def requant_nvfp4_to_mxfp4(
     w: FP4Weight,
     rule: ScaleRule = ScaleRule.MSE,
@@ -473,8 +509,9 @@ def requant_nvfp4_to_mxfp4(
     """Requantize an NVFP4 weight ``[..., N, K]`` to MXFP4, ``chunk_rows`` rows at a time.
 
     Leading dims and N are flattened into rows; each chunk goes through ``requant_rows_cpu`` or, when
-    ``device`` starts with "cuda", ``mxfp4conv.kernels.requant_triton.requant_nvfp4_gpu_chunks`` (chunks
-    of at least ``GPU_MIN_CHUNK_ROWS`` rows stream through the device; results in pinned host memory). Raises ``ValueError`` on invalid input. Returns the MXFP4 weight
+    ``device`` starts with "cuda", on the GPU: whole when it fits there (``fits_on_device``; the input
+    may already be on the device), else ``mxfp4conv.kernels.requant_triton.requant_nvfp4_gpu_chunks``
+    (chunks of at least ``GPU_MIN_CHUNK_ROWS`` rows stream through the device; results in pinned host memory). Raises ``ValueError`` on invalid input. Returns the MXFP4 weight
     (uint8 packed ``[..., N, K/2]``, E8M0 scales ``[..., N, K/32]``, on the CPU) and the statistics.
     """
     if w.quant != "nvfp4" or w.global_rows is None:
@@ -487,6 +524,8 @@ def requant_nvfp4_to_mxfp4(
     if k % MX_BLOCK:
         raise ValueError(f"K={k} is not a multiple of {MX_BLOCK}")
     if device.startswith("cuda"):
+        if w.packed.numel() and fits_on_device(w.packed.numel() + w.scales.numel(), device):
+            return _requant_resident(w, rule, device)
         from mxfp4conv.kernels.requant_triton import requant_nvfp4_gpu_chunks
 
         # H2D, kernel and D2H of row chunks overlap on three streams; outputs land in pinned memory.

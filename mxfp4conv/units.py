@@ -19,7 +19,6 @@ from mxfp4conv.canonical import Canonical, FP4Weight
 from mxfp4conv.canonicalize import to_mxfp4
 from mxfp4conv.errors import InputError
 from mxfp4conv.io.checkpoint import Checkpoint
-from mxfp4conv.io.pinned import use_fast_pinning
 from mxfp4conv.io.safetensors_io import FileSlice
 from mxfp4conv.job import Job, devices, direct_slices, needs_device
 from mxfp4conv.writers import WriterContext
@@ -40,21 +39,23 @@ class UnitResult:
 
 def _read(spec: UnitSpec, job: Job, ctx: WriterContext, device: str = "cpu") -> tuple[Any, float]:
     """A unit's source: the byte ranges of a pure rename (never decoded), or its canonical form
-    (NVFP4 stacks bound for a GPU requant are read into page-locked memory)."""
+    (NVFP4 stacks bound for a GPU requant are read onto the device, when they fit there)."""
     t0 = time.perf_counter()
     slices = direct_slices(spec, job.ckpt, job.target, ctx)
     if slices is not None:
         return slices, time.perf_counter() - t0
-    pin = device.startswith("cuda") and needs_device(ctx)
-    if pin:
+    onto = None
+    if device.startswith("cuda") and needs_device(ctx):
         import torch
 
+        from mxfp4conv.requant import fits_on_device
+
         # before CUDA has started (it starts on a helper thread meanwhile) the first units are read
-        # into ordinary memory, so their reads overlap the start; the GPU driver stages them itself
-        pin = torch.cuda.is_available() and torch.cuda.is_initialized()
-        if pin:
-            use_fast_pinning()
-    return job.layout.read(job.ckpt, spec, pin=pin), time.perf_counter() - t0
+        # into host memory, so their reads overlap the start; the requant moves them to the device
+        if (torch.cuda.is_available() and torch.cuda.is_initialized()
+                and fits_on_device(read_sizes([spec], [None], job.ckpt)[0], device)):
+            onto = device
+    return job.layout.read(job.ckpt, spec, device=onto), time.perf_counter() - t0
 
 
 def _transform(spec: UnitSpec, job: Job, ctx: WriterContext, device: str, check: bool,

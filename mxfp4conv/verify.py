@@ -206,12 +206,16 @@ def verify_output(src: str | Path, dst: str | Path, *, manifest_opts: ConvertOpt
                         report.mismatches.append({"tensor": o.name, "message": f"bytes differ from the source, "
                                                   f"first at byte {at}"})
                 continue
-            pin = needs_device(ctx) and opts.device.startswith("cuda")
-            if pin:
+            onto = None
+            if needs_device(ctx) and opts.device.startswith("cuda"):
                 import torch
 
-                pin = torch.cuda.is_available()
-            want = layout.read(ckpt, spec, pin=pin)
+                from mxfp4conv.requant import fits_on_device
+                from mxfp4conv.units import read_sizes
+
+                if torch.cuda.is_available() and fits_on_device(read_sizes([spec], [None], ckpt)[0], opts.device):
+                    onto = opts.device  # NVFP4 stacks read onto the GPU that requantizes them
+            want = layout.read(ckpt, spec, device=onto)
             if not ctx.target_options.keep_nvfp4:
                 want, _ = to_mxfp4(want, rule=opts.scale_rule, device=opts.device)
             want = target.slice_for_rank(want, spec, rctx)

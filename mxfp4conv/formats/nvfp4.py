@@ -111,7 +111,7 @@ def validate_nvfp4_scales(
         top = (top / g if divisor else top * g).abs()
         if bool((top >= MAX_REQUANT_MAGNITUDE).any()):  # error path: the first block, in element order
             full = e4m3_decode(scales) * F4_E2M1_MAX
-            gb = g[..., None]
+            gb = g.to(full.device)[..., None]
             full = (full / gb if divisor else full * gb).abs()
             return f"dequantized value out of range (>= 1.75 * 2^127) at block {_first(full >= MAX_REQUANT_MAGNITUDE)}"
     return None

@@ -52,7 +52,7 @@ class Layout(Protocol):
     def plan(self, ckpt: Checkpoint) -> Plan:
         """Facts, units and problems, from headers alone."""
 
-    def read(self, ckpt: Checkpoint, spec: UnitSpec, *, pin: bool = False) -> Canonical:
+    def read(self, ckpt: Checkpoint, spec: UnitSpec, *, device: str | None = None) -> Canonical:
         """Load one unit into the canonical model."""
 
     def declared(self, ckpt: Checkpoint) -> Declared:

@@ -64,13 +64,13 @@ def plan(ckpt: Checkpoint) -> Plan:
     return plan_split_layout(ckpt, NAME, ROLES, facts, fused=_fused)
 
 
-def read(ckpt: Checkpoint, spec: UnitSpec, *, pin: bool = False) -> Canonical:
+def read(ckpt: Checkpoint, spec: UnitSpec, *, device: str | None = None) -> Canonical:
     """One unit in canonical form (fused transformers-v5 experts as stored; split names through the
-    shared reader, which stacks them, into pinned memory with ``pin``)."""
+    shared reader, which stacks them)."""
     if spec.kind == "moe" and spec.extra.get("fused"):
         t = ckpt.tensors
         gu, gus, dn, dns = (t[f"{spec.key}.{s}"].load() for s in _FUSED)
         b13 = t[f"{spec.key}.gate_up_proj_bias"].load() if spec.has_bias else None
         b2 = t[f"{spec.key}.down_proj_bias"].load() if spec.has_bias else None
         return MoELayer(spec.key, FP4Weight("mxfp4", gu, gus), FP4Weight("mxfp4", dn, dns), b13, b2)
-    return read_split_unit(ckpt, spec, ROLES, pin=pin)
+    return read_split_unit(ckpt, spec, ROLES, device=device)

@@ -32,5 +32,5 @@ def plan(ckpt: Checkpoint) -> Plan:
     return plan_split_layout(ckpt, NAME, ROLES, ct_common.facts(ckpt, "nvfp4"))
 
 
-def read(ckpt: Checkpoint, spec: UnitSpec, *, pin: bool = False) -> Canonical:
-    return read_split_unit(ckpt, spec, ROLES, pin=pin)
+def read(ckpt: Checkpoint, spec: UnitSpec, *, device: str | None = None) -> Canonical:
+    return read_split_unit(ckpt, spec, ROLES, device=device)

@@ -120,8 +120,8 @@ def _check(gb, gs, gbias, db, ds, dbias, e_cfg: int, h_cfg: int, i_cfg: int) -> 
     return (e, h, i)
 
 
-def read(ckpt: Checkpoint, spec: UnitSpec, *, pin: bool = False) -> Canonical:
-    """One unit in canonical form (``pin`` is ignored: GPT-OSS weights are MXFP4, never requantized)."""
+def read(ckpt: Checkpoint, spec: UnitSpec, *, device: str | None = None) -> Canonical:
+    """One unit in canonical form (``device`` is ignored: GPT-OSS weights are MXFP4, never requantized)."""
     t = ckpt.tensors
     if spec.kind == "passthrough":
         return Passthrough(spec.key, t[spec.key].load())

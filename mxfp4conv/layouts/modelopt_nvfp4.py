@@ -105,6 +105,6 @@ def plan(ckpt: Checkpoint) -> Plan:
     return plan_split_layout(ckpt, NAME, ROLES, facts, also=(DEEPSEEK_V4_MXFP4,))
 
 
-def read(ckpt: Checkpoint, spec: UnitSpec, *, pin: bool = False) -> Canonical:
+def read(ckpt: Checkpoint, spec: UnitSpec, *, device: str | None = None) -> Canonical:
     roles = DEEPSEEK_V4_MXFP4 if spec.extra.get("roles") == "1" else ROLES  # V4's MXFP4 MTP experts
-    return read_split_unit(ckpt, spec, roles, pin=pin)
+    return read_split_unit(ckpt, spec, roles, device=device)

@@ -39,5 +39,5 @@ def plan(ckpt: Checkpoint) -> Plan:
     return p
 
 
-def read(ckpt: Checkpoint, spec: UnitSpec, *, pin: bool = False) -> Canonical:
-    return read_split_unit(ckpt, spec, ROLES, pin=pin)
+def read(ckpt: Checkpoint, spec: UnitSpec, *, device: str | None = None) -> Canonical:
+    return read_split_unit(ckpt, spec, ROLES, device=device)

@@ -232,12 +232,12 @@ def _plan_moe(ckpt: Checkpoint, prefix: str, by_expert: dict[int, dict[str, str]
     return UnitSpec("moe", prefix, tuple(sources), (num, h, i), bool(has_bias), extra_info)
 
 
-def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, pin: bool = False) -> FP4Weight:
+def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, device: str | None = None) -> FP4Weight:
     """The FP4 tensors of ``groups`` of modules: module e of every group stacked as ``[E, ...]`` and
     the groups concatenated along the rows (gate then up: w13). Bytes are read straight into the
     result (no per-module tensors, no stack or cat copies); block scales are checked once, on the
-    whole result, and a NaN is then traced back to its source tensor. ``pin``: page-locked buffers
-    (torch's caching host allocator reuses them unit after unit: no page faults, direct DMA)."""
+    whole result, and a NaN is then traced back to its source tensor. ``device``: a CUDA device that
+    NVFP4 stacks are read onto (they are requantized there; the global scales stay on the host)."""
     import torch
 
     from mxfp4conv.formats.fp4 import e4m3_has_nan
@@ -247,8 +247,9 @@ def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, pin: 
     refs = [[t[f"{m}.{roles.packed}"] for m in g] for g in groups]
     srefs = [[t[f"{m}.{roles.scale}"] for m in g] for g in groups]
     rows = [r[0].shape[0] for r in refs]
-    packed = _stack_into(ckpt, [r for g in refs for r in g], num, rows, pin)
-    scales = _stack_into(ckpt, [r for g in srefs for r in g], num, rows, pin)
+    onto = device if roles.quant == "nvfp4" else None
+    packed = _stack_into(ckpt, [r for g in refs for r in g], num, rows, onto)
+    scales = _stack_into(ckpt, [r for g in srefs for r in g], num, rows, onto)
     if roles.scale_dtype == "F8_E4M3":
         if e4m3_has_nan(scales):
             for sg in srefs:
@@ -265,15 +266,18 @@ def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, pin: 
     return FP4Weight(roles.quant, packed, scales, global_rows, roles.global_is_divisor)  # type: ignore[arg-type]
 
 
-def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[int], pin: bool) -> torch.Tensor:
+def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[int], device: str | None) -> torch.Tensor:
     """uint8 ``[num, sum(rows), cols]`` from 2-D one-byte tensors: group j's module e fills rows
-    ``sum(rows[:j]) .. + rows[j]`` of slot e. ``refs`` are group-major (plan checked the shapes)."""
+    ``sum(rows[:j]) .. + rows[j]`` of slot e. ``refs`` are group-major (plan checked the shapes).
+    On ``device`` (CUDA) when given, read there through small pinned buffers (``io/device_read``)."""
     import torch
 
     first = refs[0]
     cols = first.shape[1]
-    out = torch.empty((num, sum(rows), cols), dtype=torch.uint8, pin_memory=pin)
+    total = sum(rows)
+    out = torch.empty((num, total, cols), dtype=torch.uint8, device=device)
     jobs = []
+    at: list[tuple[TensorRef, int]] = []  # each tensor's byte offset in ``out``
     r0 = 0
     for j, n in enumerate(rows):
         for e in range(num):
@@ -282,9 +286,16 @@ def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[in
                 raise InputError(f"shape {list(ref.shape)} {ref.dtype} differs from its partners' "
                                  f"{[n, first.shape[1]]} {first.dtype}", file=ckpt.rel(ref.file), tensor=ref.name,
                                  hint="the checkpoint is inconsistent; re-export it")
-            jobs.append((ref, tensor_view(out[e, r0:r0 + n])))
+            if device is None:
+                jobs.append((ref, tensor_view(out[e, r0:r0 + n])))
+            at.append((ref, (e * total + r0) * cols))
         r0 += n
-    read_many(jobs)  # every tensor of the stack, in parallel pieces
+    if device is not None:
+        from mxfp4conv.io.device_read import read_to_device
+
+        read_to_device(at, out)
+    else:
+        read_many(jobs)  # every tensor of the stack, in parallel pieces
     return out
 
 
@@ -312,15 +323,15 @@ def _checked_global(ckpt: Checkpoint, ref: TensorRef) -> torch.Tensor:
     return g
 
 
-def read_split_unit(ckpt: Checkpoint, spec: UnitSpec, roles: LinearRoles, *, pin: bool = False) -> Canonical:
-    """One unit's tensors in canonical form; ``pin``: the FP4 stacks in page-locked memory (they go to a GPU)."""
+def read_split_unit(ckpt: Checkpoint, spec: UnitSpec, roles: LinearRoles, *, device: str | None = None) -> Canonical:
+    """One unit's tensors in canonical form; ``device``: the CUDA device its NVFP4 stacks are read onto."""
     import torch
 
     t = ckpt.tensors
     if spec.kind == "passthrough":
         return Passthrough(spec.key, t[spec.key].load())
     if spec.kind == "dense":
-        w = _weight(ckpt, [[spec.key]], roles, pin)
+        w = _weight(ckpt, [[spec.key]], roles, device)
         one = FP4Weight(w.quant, w.packed[0], w.scales[0], None if w.global_rows is None else w.global_rows[0],
                         w.global_is_divisor)
         bias = t[f"{spec.key}.bias"].load() if spec.has_bias else None
@@ -328,8 +339,8 @@ def read_split_unit(ckpt: Checkpoint, spec: UnitSpec, roles: LinearRoles, *, pin
     num = spec.dims[0]
     names = spec.extra
     mods = {r: [f"{spec.key}.{e}.{names[r]}" for e in range(num)] for r in ("gate", "up", "down")}
-    w13 = _weight(ckpt, [mods["gate"], mods["up"]], roles, pin)  # gate rows, then up rows
-    down = _weight(ckpt, [mods["down"]], roles, pin)
+    w13 = _weight(ckpt, [mods["gate"], mods["up"]], roles, device)  # gate rows, then up rows
+    down = _weight(ckpt, [mods["down"]], roles, device)
     w13_bias = w2_bias = None
     if spec.has_bias:
         w13_bias = torch.cat([torch.stack([t[f"{m}.bias"].load() for m in mods[r]]) for r in ("gate", "up")], dim=-1)
