@@ -233,9 +233,13 @@ def _unit_items(spec: UnitSpec, res: UnitResult, job: Job, ctx: WriterContext, v
 
 def _write_window(todo: list[tuple[_ShardPlan, str, Path]], job: Job, ctx: WriterContext, report: ConvertReport,
                   on_progress: Progress | None, done: list[int], total: int, verifier: InlineVerifier | None,
-                  fin: ShardFinisher) -> None:
+                  fin: ShardFinisher, last: list[tuple[ShardStream, int] | None]) -> None:
     """Produce a window of shards at once, their units interleaved (``interleave``); each shard is
-    handed to ``fin`` (hash, checks and fsync finishing on its threads) once its last unit is queued."""
+    handed to ``fin`` (hash, checks and fsync finishing on its threads) once its last unit is queued.
+    A unit's outputs may be views of one buffer (the GPU path's requant results), which lives until
+    its last byte is written: so units are handed over whole, and a unit with computed outputs is
+    produced only once the one before the previous is written (``last``: the previous one's stream
+    and end, carried from window to window)."""
     target = job.target
     sizes = [[sum(t.nbytes for t in target.out_specs(u, ctx)) for u in plan.units] for plan, _, _ in todo]
     order = interleave(sizes)
@@ -254,10 +258,18 @@ def _write_window(todo: list[tuple[_ShardPlan, str, Path]], job: Job, ctx: Write
             report.seconds["read"] = report.seconds.get("read", 0.0) + res.t_read
             report.seconds["transform"] = report.seconds.get("transform", 0.0) + res.t_transform
             items, nbytes = _unit_items(spec, res, job, ctx, verifier, sh.path)
+            computed = any(not isinstance(t, FileSlice) for t in res.outs)
             del res
             for item in items:
                 sh.stream.feed(item)
             del items
+            end = sh.stream.flush()
+            if computed:
+                # at most two units' computed outputs in memory, however many files are written
+                # at once: the previous one is written before the next is produced
+                if last[0] is not None:
+                    last[0][0].wait_written(last[0][1])
+                last[0] = (sh.stream, end)
             sh.fed += 1
             if sh.fed == len(sh.plan.units):
                 fin.pending.append((sh.rel, sh.stream.finish(), sh.stats))
@@ -433,6 +445,7 @@ def _write_all(job: Job, shard_plans: list[tuple[str, WriterContext, list[_Shard
                                                  in shard_plans for sh in shards for u in sh.units), default=0))
     done = [0]
     reused = False
+    last: list[tuple[ShardStream, int] | None] = [None]
     try:
         j = -1
         for folder, rctx, shards in shard_plans:
@@ -461,7 +474,7 @@ def _write_all(job: Job, shard_plans: list[tuple[str, WriterContext, list[_Shard
                                      hint="rerun the --partition i/n conversion that owns it (shard index mod n)")
                 todo.append((shard, rel, path))
             for group in windows(len(todo), SHARD_WINDOW):
-                _write_window([todo[g] for g in group], job, rctx, report, on_progress, done, total, verifier, fin)
+                _write_window([todo[g] for g in group], job, rctx, report, on_progress, done, total, verifier, fin, last)
                 fin.settle(len(group))  # the previous window's shards, whose hash and fsync overlapped this one
             fin.settle()
             if opts.partition is not None:

@@ -476,11 +476,13 @@ def fits_on_device(nbytes: int, device: str) -> bool:
 
 
 def _requant_resident(w: FP4Weight, rule: ScaleRule, device: str) -> tuple[FP4Weight, RequantStats]:
-    """The GPU path for a weight that fits on the device: moved there unless read there already, requantized
-    in one launch, the results copied back into ordinary host memory (exact-size buffers, freed once
-    written: page-locked ones sized by the unit were most of the GPU path's peak RSS). The scales are
-    validated from the row maxima computed on the device, before anything is returned."""
+    """The GPU path for a weight that fits on the device: moved there unless read there already,
+    requantized in one launch, the results copied back into one exact-size page-locked buffer of the
+    pool (``io.pinned.HostSlabs``: reused once written, where page-locked memory sized by the unit
+    was most of the GPU path's peak RSS). The scales are validated from the row maxima computed on
+    the device, before anything is returned."""
     from mxfp4conv.formats.fp4 import e4m3_bits
+    from mxfp4conv.io.pinned import host_slabs
     from mxfp4conv.kernels.requant_triton import requant_rows
 
     assert w.global_rows is not None
@@ -493,11 +495,19 @@ def _requant_resident(w: FP4Weight, rule: ScaleRule, device: str) -> tuple[FP4We
         g = w.global_rows.reshape(-1).float().to(dev)
         po, so, st = requant_rows(p, sc, g, w.global_is_divisor, rule)
         row_max = torch.amax(torch.bitwise_and(sc, 0x7F), dim=1).cpu().view(lead)
+        # one buffer: row statistics first (8-byte aligned), then codes, then scales
+        n_st, n_p, n_s = st.numel() * 8, po.numel(), so.numel()
+        slab = host_slabs().take(n_st + n_p + n_s)
+        host_st = slab[:n_st].view(torch.float64).view(st.shape)
+        host_p = slab[n_st:n_st + n_p].view(po.shape)
+        host_s = slab[n_st + n_p:].view(so.shape)
+        for dst, src in ((host_st, st), (host_p, po), (host_s, so)):
+            dst.copy_(src)
     problem = validate_nvfp4_scales(w.scales, w.global_rows, divisor=w.global_is_divisor, row_max=row_max)
     if problem is not None:
         raise ValueError(f"invalid NVFP4 input: {problem}")
-    stats = RequantStats.from_row_stats(st.cpu(), k // MX_BLOCK)
-    return FP4Weight("mxfp4", po.cpu().view(*lead, kh), so.cpu().view(*lead, k // MX_BLOCK)), stats
+    stats = RequantStats.from_row_stats(host_st, k // MX_BLOCK)
+    return FP4Weight("mxfp4", host_p.view(*lead, kh), host_s.view(*lead, k // MX_BLOCK)), stats
 
 
 def requant_nvfp4_to_mxfp4(

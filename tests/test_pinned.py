@@ -42,3 +42,34 @@ def test_a_torch_without_the_setting_is_left_as_is(monkeypatch: pytest.MonkeyPat
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     assert pinned.use_fast_pinning() is False
+
+
+def test_slabs_are_exact_and_come_back_once_every_view_is_gone() -> None:
+    slabs = pinned.HostSlabs(keep=2)
+    a = slabs.take(1000)
+    assert a.dtype == torch.uint8 and a.numel() == 1000
+    view = a[10:20].view(2, 5)  # a torch view outlives the tensor it was made from
+    del a
+    b = slabs.take(1000)  # the first is still lent through ``view``: a second allocation
+    assert slabs.allocated == 2
+    view.fill_(7)
+    del view, b
+    c = slabs.take(600)  # both came back: the smallest that holds 600 is reused, nothing allocated
+    d = slabs.take(1000)
+    assert slabs.allocated == 2 and c.numel() == 600 and d.numel() == 1000
+    e = slabs.take(5000)  # none large enough
+    assert slabs.allocated == 3
+    del c, d, e
+    assert len(slabs._free) == 2 and sorted(x.nbytes for x in slabs._free) == [1000, 5000]  # keep=2: the smallest went
+
+
+def test_slab_bytes_are_the_lenders_until_returned() -> None:
+    """A buffer written through one loan is not handed out again while any view of it is alive."""
+    slabs = pinned.HostSlabs(keep=4)
+    first = slabs.take(64)
+    first.fill_(0xAB)
+    keep = first.view(8, 8)[3]
+    del first
+    other = slabs.take(64)
+    other.fill_(0x00)
+    assert bool((keep == 0xAB).all())

@@ -89,3 +89,43 @@ def test_windows_write_the_bytes_of_one_shard_at_a_time(tmp_path: Path, monkeypa
     assert feeds != sorted(feeds)  # shards were fed turn about, not one after the other
     assert set(feeds) == set(names)
     assert staging.SHARD_WINDOW == 4
+
+
+def test_at_most_two_units_of_computed_outputs_are_alive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """However many files are written at once and however slow the disk, a unit with computed
+    outputs is produced only once the one before the previous is written and let go: the GPU path's
+    result buffers (one per unit, reused) and the CPU path's memory stay at two units."""
+    import time
+    import weakref
+
+    import numpy as np
+
+    from mxfp4conv import pipeline as pl
+
+    src = build("modelopt-nvfp4", tmp_path / "src", layers=6, shards=3)
+    real_units, real_write, real_bytes = pl.unit_results, sio._BackgroundWriter._write, sio._as_bytes
+    held: list[list[weakref.ref[np.ndarray]]] = []  # per unit produced: its buffers handed to the writers
+    most = [0]
+
+    def units(*a: object, **k: object) -> object:
+        for res in real_units(*a, **k):  # type: ignore[arg-type]
+            most[0] = max(most[0], sum(any(r() is not None for r in u) for u in held))
+            held.append([])
+            yield res
+
+    def as_bytes(item: object) -> object:
+        arr = np.frombuffer(real_bytes(item), dtype=np.uint8)  # type: ignore[arg-type]
+        held[-1].append(weakref.ref(arr))
+        return arr
+
+    def slow_write(self: object, raw: object) -> None:
+        time.sleep(0.02)  # a disk slower than the producer
+        real_write(self, raw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pl, "unit_results", units)
+    monkeypatch.setattr(sio, "_as_bytes", as_bytes)
+    monkeypatch.setattr(sio._BackgroundWriter, "_write", slow_write)
+    report = pl.convert(src, tmp_path / "out", pl.ConvertOptions(target="ct", device="cpu", max_shard_size=20_000))
+    assert report.verify and report.verify["ok"]
+    assert len(report.shards) >= 4 and sum(1 for u in held if u) >= 6
+    assert most[0] == 1, most  # when a unit is produced, only the previous one's outputs are still held

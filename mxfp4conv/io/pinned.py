@@ -1,12 +1,12 @@
-"""How page-locked (pinned) host memory is allocated for GPU transfers.
+"""How page-locked (pinned) host memory is had for GPU transfers.
 
-The GPU path stages each unit's NVFP4 stacks and its MXFP4 outputs in pinned host memory, through
-torch's caching host allocator: a warm process reuses the blocks, a fresh one (every CLI run) pins
-them first, ~3 GB at 24 layers of a Qwen3-30B-like model. By default torch pins with
-``cudaHostAlloc``, ~2 GB/s on the H200 host and no faster from several threads; torch can instead
-``malloc`` and ``cudaHostRegister`` the pages from N threads, 5-7 GB/s there
-(``benchmarks/probe_pinning.py``). A fresh 24-layer conversion spent 1.7 s pinning before and
-0.6 s with 8 register threads (``benchmarks/probe_fresh_process.py``; BENCHMARKS.md, seventh session).
+Two kinds. Small fixed buffers (the read stages of ``io/device_read``, the check's stage) come from
+torch's caching host allocator, told to pin with ``malloc`` + ``cudaHostRegister`` from several
+threads (``use_fast_pinning``): by default it pins with ``cudaHostAlloc``, ~2 GB/s on an H200 host
+and no faster from several threads, against 5-7 GB/s registered from 8-16 threads. Unit-sized
+results copied back from the GPU come from ``HostSlabs``: exact-size buffers registered once and
+reused, since torch's allocator rounds every block up to a power of two (a 321 MB unit takes 512 MB)
+and keeps every block it ever pinned.
 """
 
 from __future__ import annotations
@@ -14,6 +14,11 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+import weakref
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 _lock = threading.Lock()
 _done = False
@@ -57,3 +62,72 @@ def use_fast_pinning() -> bool:
         except (AttributeError, RuntimeError):  # a torch that lacks the setting keeps cudaHostAlloc
             return False
         return True
+
+
+class HostSlabs:
+    """Exact-size page-locked host buffers for results copied back from a GPU, reused: each is
+    allocated and ``cudaHostRegister``ed once, lent as a uint8 tensor, and back in the pool the moment
+    nothing refers to it any more (every view of it is gone: the writer has written its bytes). A
+    request takes the smallest free buffer that holds it, else a new one; at most ``keep`` free
+    buffers are kept (the pipeline has at most two units' results alive, so two are reused in turn).
+    Where registering fails, the buffer is ordinary memory: slower copies, the same bytes."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self._keep = keep
+        self._free: list[Any] = []  # numpy arrays, each a whole registered allocation
+        self._lock = threading.Lock()
+        self.allocated = 0  # buffers ever allocated (a measure of reuse, for tests)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        import numpy as np
+        import torch
+
+        with self._lock:
+            fits = [b for b in self._free if b.nbytes >= nbytes]
+            base = min(fits, key=lambda b: b.nbytes) if fits else None
+            if base is not None:
+                self._free.remove(base)
+        if base is None:
+            base = np.empty(max(1, nbytes), dtype=np.uint8)
+            _register(base)
+            self.allocated += 1
+        lent = base[:nbytes]  # a view: the pool's allocation lives on in ``lent.base``
+        weakref.finalize(lent, self._give_back, base)
+        return torch.from_numpy(lent)  # the tensor's storage holds ``lent`` until its last view is gone
+
+    def _give_back(self, base: Any) -> None:
+        with self._lock:
+            self._free.append(base)
+            self._free.sort(key=lambda b: b.nbytes)
+            drop = self._free[:-self._keep] if len(self._free) > self._keep else []
+            del self._free[:len(drop)]
+        for b in drop:
+            _unregister(b)
+
+
+def _register(arr: Any) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        rt = torch.cuda.cudart()
+        if rt.cudaHostRegister(arr.ctypes.data, arr.nbytes, 0) and hasattr(rt, "cudaGetLastError"):
+            rt.cudaGetLastError()  # a refusal (e.g. a memlock limit) leaves the buffer pageable, and no error pending
+
+
+def _unregister(arr: Any) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.cudart().cudaHostUnregister(arr.ctypes.data)
+
+
+_slabs: HostSlabs | None = None
+
+
+def host_slabs() -> HostSlabs:
+    """The process's pool of result buffers."""
+    global _slabs
+    with _lock:
+        if _slabs is None:
+            _slabs = HostSlabs()
+        return _slabs

@@ -486,6 +486,17 @@ class ShardStream:
             self._writer.put(self._bufs)
         self._slices, self._bufs, self._held = [], [], 0
 
+    def flush(self) -> int:
+        """Hand the batch being gathered to the writer now (at the end of a unit, so that no part of
+        it waits here while other files are fed); returns the file offset every fed byte ends at."""
+        self._flush()
+        return self._pos
+
+    def wait_written(self, pos: int) -> None:
+        """Block until the file's bytes up to ``pos`` are written (their buffers released), or raise
+        the error the shard's threads met."""
+        self._writer.wait_written(pos)
+
     def feed(self, item: bytes | torch.Tensor | FileSlice | CheckRange) -> None:
         """The next tensor's bytes (a buffer, a tensor or a source byte range), or a check marker."""
         w = self._writer
@@ -646,6 +657,9 @@ class _BackgroundWriter:
 
     def _write_loop(self) -> None:
         while (raw := self._wq.get()) is not None:
+            size = _size(raw)
+            held = 0 if isinstance(raw, tuple) else size  # slices hold no memory
+            wrote = False
             try:
                 if self._error is None:
                     t0 = time.perf_counter()
@@ -655,13 +669,18 @@ class _BackgroundWriter:
                     else:
                         self._write(raw)
                     self._busy[0] += time.perf_counter() - t0
-                    with self._cond:
-                        self._written += _size(raw)
-                        self._cond.notify_all()
+                    wrote = True
             except BaseException as exc:  # reported to the producer
                 self._fail(exc)
+            # the buffers are let go before anyone learns they are written (``wait_written``), so
+            # their memory is free by then, and not held while the next item is awaited
+            del raw
+            if wrote:
+                with self._cond:
+                    self._written += size
+                    self._cond.notify_all()
             with self._budget.cond:
-                self._budget.used -= 0 if isinstance(raw, tuple) else _size(raw)
+                self._budget.used -= held
                 self._budget.cond.notify_all()
 
     def _hash_loop(self) -> None:
@@ -837,6 +856,13 @@ class _BackgroundWriter:
             b.used += size
         self._wq.put(raw)
         self._hq.put(raw if isinstance(raw, tuple) else size)
+
+    def wait_written(self, pos: int) -> None:
+        """Wait until the writer has written the file's first ``pos`` bytes; raise its error if any."""
+        with self._cond:
+            while self._written < pos and self._error is None:
+                self._cond.wait()
+        self._raise()
 
     def put_check(self, chk: CheckRange, begin: int, end: int) -> None:
         """Queue a check of the file's bytes ``[begin, end)`` (all of them already ``put``)."""
