@@ -472,6 +472,8 @@ RESIDENT_SHARE = 8
 
 def fits_on_device(nbytes: int, device: str) -> bool:
     """Whether a weight of ``nbytes`` (packed codes and block scales) is requantized whole on ``device``."""
+    if not torch.cuda.is_available():
+        return False
     return nbytes * RESIDENT_SHARE <= torch.cuda.get_device_properties(torch.device(device)).total_memory
 
 
