@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -488,3 +489,14 @@ def test_concurrent_first_builds_and_a_damaged_cache(tmp_path: Path) -> None:
     lib.write_bytes(b"not an ELF file")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and Path(out.stdout.strip()) == lib and lib.stat().st_size > 1000
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or requant_native._compiler() is None
+                    or shutil.which("nm") is None, reason="x86-64 with a C compiler and nm")
+def test_x86_64_kernel_carries_one_row_function_per_vector_level() -> None:
+    """The loaded build is the multi-versioned one (a fallback to the single SSE2 build would be slower
+    only, never other bytes: the torch path and the kernel agree above on whichever version this CPU runs)."""
+    kernel = requant_native.load()
+    assert kernel is not None
+    syms = subprocess.run(["nm", str(kernel.path)], capture_output=True, text=True, check=True).stdout
+    assert "mxfp4conv_requant_rows.avx2" in syms and "mxfp4conv_requant_rows.default" in syms

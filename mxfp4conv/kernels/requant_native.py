@@ -7,7 +7,8 @@ compiled kernel when it builds), ``native`` (it must build: failing to is an err
 
 The build runs the C compiler (``$CC``, else ``cc`` / ``gcc`` / ``clang``) with ``-O2 -funroll-loops
 -ffp-contract=off`` (no fused multiply-adds: every operation rounds as the contract says; no
-``-march=native``, so a build in a shared home directory runs on every node) into a per-user cache
+``-march=native``, so a build in a shared home directory runs on every node; on x86-64 the row function
+is built once per vector level and the CPU's is picked at load time) into a per-user cache
 (``$MXFP4CONV_CACHE_DIR``, else ``$XDG_CACHE_HOME/mxfp4conv``, else ``~/.cache/mxfp4conv``), named by
 the hash of the source and flags; a build is written to a temporary name and renamed into place, so
 concurrent processes never load a half-written library. ctypes releases the GIL during the call, so
@@ -132,7 +133,10 @@ def build_shared_library(
 
 
 def _load_uncached() -> NativeKernel:
-    return NativeKernel(*build_shared_library(_SOURCE, "requant_native", CFLAGS, ("-lm",)))
+    try:  # one build per x86-64 level, picked at load time; a toolchain without ifuncs builds one
+        return NativeKernel(*build_shared_library(_SOURCE, "requant_native", (*CFLAGS, "-DMXFP4CONV_MULTIVERSION"), ("-lm",)))
+    except OSError:
+        return NativeKernel(*build_shared_library(_SOURCE, "requant_native", CFLAGS, ("-lm",)))
 
 
 def load() -> NativeKernel | None:
