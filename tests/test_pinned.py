@@ -73,3 +73,12 @@ def test_slab_bytes_are_the_lenders_until_returned() -> None:
     other = slabs.take(64)
     other.fill_(0x00)
     assert bool((keep == 0xAB).all())
+
+
+def test_the_smallest_fitting_slab_is_taken_wherever_it_is_in_the_pool() -> None:
+    slabs = pinned.HostSlabs(keep=4)
+    held = [slabs.take(n) for n in (4000, 100, 3000, 2000)]
+    del held
+    got = slabs.take(2500)  # 3000 is neither first nor last of the free buffers
+    assert slabs.allocated == 4 and got.numel() == 2500
+    assert sorted(b.nbytes for b in slabs._free) == [100, 2000, 4000]

@@ -83,10 +83,8 @@ class HostSlabs:
         import torch
 
         with self._lock:
-            fits = [b for b in self._free if b.nbytes >= nbytes]
-            base = min(fits, key=lambda b: b.nbytes) if fits else None
-            if base is not None:
-                self._free.remove(base)
+            fits = [i for i, b in enumerate(self._free) if b.nbytes >= nbytes]
+            base = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes)) if fits else None
         if base is None:
             base = np.empty(max(1, nbytes), dtype=np.uint8)
             _register(base)
