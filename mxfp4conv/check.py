@@ -21,11 +21,12 @@ differs raises ``VerificationFailed`` (exit 3) from its shard; nothing is then p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -201,7 +202,34 @@ def _getter(fd: int, where: dict[str, tuple[int, OutTensor]], spec: UnitSpec, e0
 
 
 STAGE_BYTES = 32 << 20  # the pinned buffer a unit's bytes pass through on their way to the device
-_stage = threading.local()
+# Shared by every shard's check thread (the shards of a window and the previous window's check at
+# once): at most STAGES page-locked buffers, taken in turn, whatever the number of threads.
+STAGES = 2
+_stages: list[torch.Tensor] = []
+_made = [0]
+_stages_free = threading.Condition()
+
+
+@contextlib.contextmanager
+def _stage() -> Iterator[torch.Tensor]:
+    import torch
+
+    with _stages_free:
+        while not _stages and _made[0] >= STAGES:
+            _stages_free.wait()
+        if _stages:
+            buf = _stages.pop()
+        else:
+            _made[0] += 1
+            buf = None
+    if buf is None:
+        buf = torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True)
+    try:
+        yield buf
+    finally:
+        with _stages_free:
+            _stages.append(buf)
+            _stages_free.notify()
 
 
 def _device_of(unit: Canonical) -> torch.device | None:
@@ -218,22 +246,20 @@ def _to_device(fd: int, begin: int, end: int, dev: torch.device) -> torch.Tensor
 
     from mxfp4conv.io.safetensors_io import tensor_view
 
-    stage = getattr(_stage, "buf", None)
-    if stage is None:
-        stage = _stage.buf = torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True)
-    view = tensor_view(stage)
     out = torch.empty(end - begin, dtype=torch.uint8, device=dev)
-    pos = begin
-    while pos < end:
-        n = min(STAGE_BYTES, end - pos)
-        done = 0
-        while done < n:
-            got = os.preadv(fd, [view[done:n]], pos + done)
-            if got <= 0:
-                raise OSError(5, "the staged shard is shorter than its header says")
-            done += got
-        out[pos - begin:pos - begin + n].copy_(stage[:n])  # synchronous: the buffer is reused next
-        pos += n
+    with _stage() as stage:
+        view = tensor_view(stage)
+        pos = begin
+        while pos < end:
+            n = min(STAGE_BYTES, end - pos)
+            done = 0
+            while done < n:
+                got = os.preadv(fd, [view[done:n]], pos + done)
+                if got <= 0:
+                    raise OSError(5, "the staged shard is shorter than its header says")
+                done += got
+            out[pos - begin:pos - begin + n].copy_(stage[:n])  # synchronous: the buffer is reused next
+            pos += n
     return out
 
 
