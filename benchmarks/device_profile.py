@@ -102,8 +102,6 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/prof"))
     ap.add_argument("--sample", action="store_true", help="sample every thread instead of cProfile")
     ap.add_argument("--keep-src", action="store_true", help="reuse WORK/src if it is there, and keep it afterwards")
-    ap.add_argument("--pageable-output", action="store_true",
-                    help="experiment: GPU results land in pageable memory through reused pinned staging buffers")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.keep_src and (args.work / "src").is_dir():
@@ -115,13 +113,6 @@ def main() -> None:
         src = generate(args.work / "src", args.layout, args.layers)
     size = warm(src)
     opts = ConvertOptions(target=args.to, device=args.device, verify=False)
-    if args.pageable_output:
-        import functools
-
-        from mxfp4conv.kernels import requant_triton
-
-        requant_triton.requant_nvfp4_gpu_chunks = functools.partial(  # type: ignore[assignment]
-            requant_triton.requant_nvfp4_gpu_chunks, pin_output=False)
     # warm-up on a copy of one layer's worth is not possible cheaply: JIT time is part of the first unit
     if args.sample:
         sampler = Sampler()
@@ -146,7 +137,7 @@ def main() -> None:
         st.sort_stats("tottime").print_stats(35)
         st.sort_stats("cumulative").print_stats(45)
         (args.out / "profile.txt").write_text(buf.getvalue())
-    doc = {"layers": args.layers, "pageable_output": args.pageable_output, "bytes": size, "wall_s": round(wall, 3), "GBps": round(size / wall / 1e9, 3),
+    doc = {"layers": args.layers, "bytes": size, "wall_s": round(wall, 3), "GBps": round(size / wall / 1e9, 3),
            "seconds": report.to_dict().get("seconds")}
     (args.out / "profile.json").write_text(json.dumps(doc, indent=1))
     print(json.dumps(doc))

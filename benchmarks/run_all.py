@@ -1,8 +1,8 @@
 """`make bench`: the CPU benchmarks, one JSON line per case on stdout, also saved to
 ``.bench/bench_<date>_cpu.jsonl`` (an untracked folder; ``--out-dir`` to change it).
 
-The GPU benchmarks (``bench_requant_gpu.py``, ``device_e2e.py``, ``device_profile.py``) need a CUDA
-machine and are run by hand (BENCHMARKS.md gives each command).
+The GPU benchmarks (``bench_requant_gpu.py``, ``device_e2e.py``: the default command and
+``--no-verify`` against ``cp -r`` + ``sync``, ``device_profile.py``) need a CUDA machine and are run by hand (BENCHMARKS.md gives each command).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = [["bench_requant_cpu.py"], ["bench_marlin.py"], ["bench_convert.py"]]
+# the last one times the default command and --no-verify against llm-compressor (a few minutes)
+SCRIPTS = [["bench_requant_cpu.py"], ["bench_marlin.py"], ["bench_convert.py"],
+           ["bench_peer_llmcompressor.py", "--layers", "2", "--rounds", "3"]]
 
 
 def main() -> None:
