@@ -406,6 +406,8 @@ def requant_rows_cpu(
     rule: ScaleRule,
     *,
     threads: int | None = None,
+    into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    pool: ThreadPoolExecutor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CPU requant of rows; byte-identical to ``requant_rows_reference`` and the GPU kernel.
 
@@ -414,14 +416,23 @@ def requant_rows_cpu(
     ``[R, K/32]``, ``row_stats`` float64 ``[R, 5]`` = (sq_err, signal, max_abs_err, clipped_blocks,
     exact_blocks)). Inputs must be valid (``validate_nvfp4_scales``). Work is split into row slabs of
     ~128K weights run on ``threads`` worker threads (default: torch's intra-op thread count), by the
-    compiled kernel (``requant_native.load()``) or else with single-threaded torch ops.
+    compiled kernel (``requant_native.load()``) or else with single-threaded torch ops. ``into``: the
+    three results' tensors to write into (contiguous, of those shapes; row_stats zeroed), e.g. slices
+    of a whole weight's outputs; ``pool``: the worker threads to use (a caller running many chunks
+    keeps one pool rather than one per call).
     """
     rule = ScaleRule(rule)
     k = _check_rows(packed, scales_e4m3, global_rows)
     r = packed.shape[0]
-    out = torch.empty(r, k // 2, dtype=torch.uint8)  # row-major, whatever the input's strides
-    scales_out = torch.empty(r, k // MX_BLOCK, dtype=torch.uint8)
-    row_stats = torch.zeros(r, 5, dtype=torch.float64)
+    if into is not None:
+        out, scales_out, row_stats = into
+        if (tuple(out.shape), tuple(scales_out.shape), tuple(row_stats.shape)) != ((r, k // 2), (r, k // MX_BLOCK), (r, 5)) \
+                or not (out.is_contiguous() and scales_out.is_contiguous() and row_stats.is_contiguous()):
+            raise ValueError("into: tensors must be contiguous and of the result shapes")
+    else:
+        out = torch.empty(r, k // 2, dtype=torch.uint8)  # row-major, whatever the input's strides
+        scales_out = torch.empty(r, k // MX_BLOCK, dtype=torch.uint8)
+        row_stats = torch.zeros(r, 5, dtype=torch.float64)
     if r == 0 or k == 0:
         return out, scales_out, row_stats
     s = e4m3_decode(scales_e4m3).contiguous()
@@ -455,9 +466,11 @@ def requant_rows_cpu(
         if n_threads <= 1 or len(starts) == 1:
             for r0 in starts:
                 work(r0)
+        elif pool is not None:
+            list(pool.map(work, starts))
         else:
-            with ThreadPoolExecutor(min(n_threads, len(starts))) as pool:
-                list(pool.map(work, starts))
+            with ThreadPoolExecutor(min(n_threads, len(starts))) as own:
+                list(own.map(work, starts))
     return out, scales_out, row_stats
 
 
@@ -563,10 +576,14 @@ def requant_nvfp4_to_mxfp4(
     out = torch.empty(r, kh, dtype=torch.uint8)
     scales_out = torch.empty(r, k // MX_BLOCK, dtype=torch.uint8)
     stats = RequantStats()
-    for r0 in range(0, r, chunk_rows):
-        r1 = min(r, r0 + chunk_rows)
-        p, sc, st = requant_rows_cpu(packed[r0:r1], scales[r0:r1], grows[r0:r1], w.global_is_divisor, rule)
-        out[r0:r1], scales_out[r0:r1] = p, sc
-        stats.add_rows(st, k // MX_BLOCK)
+    n_threads = int(os.environ.get("MXFP4CONV_CPU_THREADS", "0")) or torch.get_num_threads()
+    # chunks write straight into the weight's outputs, on one pool of workers for all of them
+    with ThreadPoolExecutor(max(1, n_threads)) as pool:
+        for r0 in range(0, r, chunk_rows):
+            r1 = min(r, r0 + chunk_rows)
+            st = torch.zeros(r1 - r0, 5, dtype=torch.float64)
+            requant_rows_cpu(packed[r0:r1], scales[r0:r1], grows[r0:r1], w.global_is_divisor, rule,
+                             threads=n_threads, into=(out[r0:r1], scales_out[r0:r1], st), pool=pool)
+            stats.add_rows(st, k // MX_BLOCK)
     mx = FP4Weight("mxfp4", out.view(*lead, kh), scales_out.view(*lead, k // MX_BLOCK))
     return mx, stats
