@@ -11,6 +11,8 @@ and keeps every block it ever pinned.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import threading
 import warnings
@@ -108,15 +110,29 @@ def _register(arr: Any) -> None:
 
     if torch.cuda.is_available():
         rt = torch.cuda.cudart()
-        if rt.cudaHostRegister(arr.ctypes.data, arr.nbytes, 0) and hasattr(rt, "cudaGetLastError"):
-            rt.cudaGetLastError()  # a refusal (e.g. a memlock limit) leaves the buffer pageable, and no error pending
+        # 1 = cudaHostRegisterPortable: page-locked for every device's context (a multi-GPU run shares the pool)
+        if rt.cudaHostRegister(arr.ctypes.data, arr.nbytes, 1):
+            _clear_error(rt)  # a refusal (e.g. a memlock limit) leaves the buffer pageable
 
 
 def _unregister(arr: Any) -> None:
     import torch
 
     if torch.cuda.is_available():
-        torch.cuda.cudart().cudaHostUnregister(arr.ctypes.data)
+        rt = torch.cuda.cudart()
+        if rt.cudaHostUnregister(arr.ctypes.data):  # never registered: nothing to undo
+            _clear_error(rt)
+
+
+def _clear_error(rt: Any) -> None:
+    """Leave no CUDA error pending, so that torch's next kernel-launch check does not report it
+    (torch's binding lacks ``cudaGetLastError`` in some releases: then the runtime's own, already loaded)."""
+    fn = getattr(rt, "cudaGetLastError", None)
+    if fn is None:
+        with contextlib.suppress(OSError, AttributeError):
+            fn = ctypes.CDLL(None).cudaGetLastError
+    if fn is not None:
+        fn()
 
 
 _slabs: HostSlabs | None = None

@@ -1,6 +1,6 @@
 """Header-only safetensors reading, lazy per-tensor loads, and a streaming shard writer.
 
-One module of ~870 lines: the reader and the writer share the FileSlice / TensorRef types, the
+One module of ~940 lines: the reader and the writer share the FileSlice / TensorRef types, the
 dtype tables and the short-read handling, and the writer's three threads (write, hash, check) and
 their batching are one unit of behaviour that its tests exercise together.
 
