@@ -78,6 +78,29 @@ def test_json_is_exactly_one_document(src: Path, converted: Path, tmp_path: Path
     assert out.strip().startswith("{") and out.strip().endswith("}")
 
 
+@pytest.mark.parametrize(("argv", "code"), [(["inspect", "{src}", "--json"], 0), (["convert", "{src}", "{tmp}/o", "--to", "ct"], 0),
+                                             (["verify", "{src}", "{tmp}/missing"], 1), (["convert", "{src}", "{tmp}/o2", "--to", "nope"], 2)])
+def test_the_console_script_skips_teardown_but_not_its_exit_code_or_output(src: Path, tmp_path: Path, argv: list[str],
+                                                                            code: int) -> None:
+    """``main`` ends the process once the command is done (no interpreter teardown: atexit handlers do
+    not run), with the command's exit code and every byte it printed."""
+    args = [a.format(src=src, tmp=tmp_path) for a in argv]
+    script = ("import atexit, sys\n"
+              "atexit.register(lambda: print('TEARDOWN', file=sys.stderr))\n"
+              f"sys.argv = ['mxfp4conv', *{args!r}]\n"
+              "from mxfp4conv.cli import main\n"
+              "main()\n")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == code, res.stderr
+    assert "TEARDOWN" not in res.stderr
+    if argv[0] == "inspect":
+        assert json.loads(res.stdout)["layout"] == "ct-mxfp4"  # the whole document, flushed
+    elif code:
+        assert res.stderr.strip().splitlines()[-1].startswith(("error:", "Error:", "Usage:")), res.stderr
+    else:
+        assert (tmp_path / "o" / "mxfp4conv.json").is_file()
+
+
 def test_verify_ok_in_words(src: Path, converted: Path) -> None:
     code, out, err = run("verify", str(src), str(converted))
     assert code == 0 and out == ""
