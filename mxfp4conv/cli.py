@@ -325,8 +325,8 @@ def verify_cmd(src: str, dst: str, device: str, as_json: bool, debug: bool) -> N
 def main() -> None:
     """The console script. Once a command has finished (its output published, its report printed), the
     process ends without the interpreter's teardown: freeing torch, its ~1 GB of loaded libraries and
-    a CUDA context takes 0.4-0.8 s on a 2-core machine, a share of a small conversion's time that buys
-    nothing. Not with Ray loaded (its own exit handler disconnects the driver from the cluster)."""
+    a CUDA context takes a noticeable share of a small conversion's time and buys nothing. Not with
+    Ray loaded (its own exit handler disconnects the driver from the cluster)."""
     code = 0
     try:
         cli(prog_name="mxfp4conv")

@@ -24,7 +24,7 @@ from mxfp4conv.job import Job, devices, direct_slices, needs_device
 from mxfp4conv.writers import WriterContext
 from mxfp4conv.writers.base import UnitSpec
 
-__all__ = ["UnitResult", "read_ahead", "read_sizes", "requant_on_device", "unit_results"]
+__all__ = ["UnitResult", "read_ahead", "read_onto", "read_sizes", "requant_on_device", "unit_results"]
 
 
 @dataclass
@@ -44,18 +44,24 @@ def _read(spec: UnitSpec, job: Job, ctx: WriterContext, device: str = "cpu") -> 
     slices = direct_slices(spec, job.ckpt, job.target, ctx)
     if slices is not None:
         return slices, time.perf_counter() - t0
-    onto = None
-    if device.startswith("cuda") and needs_device(ctx):
-        import torch
-
-        from mxfp4conv.requant import fits_on_device
-
-        # before CUDA has started (it starts on a helper thread meanwhile) the first units are read
-        # into host memory, so their reads overlap the start; the requant moves them to the device
-        if (torch.cuda.is_available() and torch.cuda.is_initialized()
-                and fits_on_device(read_sizes([spec], [None], job.ckpt)[0], device)):
-            onto = device
+    onto = read_onto(spec, job.ckpt, device) if needs_device(ctx) else None
     return job.layout.read(job.ckpt, spec, device=onto), time.perf_counter() - t0
+
+
+def read_onto(spec: UnitSpec, ckpt: Checkpoint, device: str) -> str | None:
+    """The CUDA device a unit bound for a GPU requant is read onto: ``device`` once CUDA has started
+    there and the unit fits (``requant.fits_on_device``), else None (host memory: the requant moves
+    it, the same bytes). Before CUDA has started (on a helper thread meanwhile) the first units are
+    read into host memory, so that their reads overlap the start."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    from mxfp4conv.requant import fits_on_device
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return device if fits_on_device(read_sizes([spec], [None], ckpt)[0], device) else None
 
 
 def _transform(spec: UnitSpec, job: Job, ctx: WriterContext, device: str, check: bool,

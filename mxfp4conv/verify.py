@@ -207,14 +207,10 @@ def verify_output(src: str | Path, dst: str | Path, *, manifest_opts: ConvertOpt
                                                   f"first at byte {at}"})
                 continue
             onto = None
-            if needs_device(ctx) and opts.device.startswith("cuda"):
-                import torch
+            if needs_device(ctx):
+                from mxfp4conv.units import read_onto
 
-                from mxfp4conv.requant import fits_on_device
-                from mxfp4conv.units import read_sizes
-
-                if torch.cuda.is_available() and fits_on_device(read_sizes([spec], [None], ckpt)[0], opts.device):
-                    onto = opts.device  # NVFP4 stacks read onto the GPU that requantizes them
+                onto = read_onto(spec, ckpt, opts.device)  # NVFP4 stacks read onto the GPU that requantizes them
             want = layout.read(ckpt, spec, device=onto)
             if not ctx.target_options.keep_nvfp4:
                 want, _ = to_mxfp4(want, rule=opts.scale_rule, device=opts.device)
