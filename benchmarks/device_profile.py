@@ -6,6 +6,10 @@ Generates a Qwen3-30B-A3B-like ModelOpt NVFP4 checkpoint, converts it once in-pr
 (``--no-verify``), and writes OUT_DIR/profile.txt (top functions by total and cumulative time) and
 OUT_DIR/profile.json (the convert report: per-stage seconds, wall, GB/s).
 
+``--as-typed`` runs the CLI's default command (``mxfp4conv convert SRC DST --to ct --device cuda``,
+which verifies; ``--json`` is added for the report; more flags after ``--``) in a fresh process under the sampler below, so Python's,
+torch's and CUDA's start are on the timeline as users meet them.
+
 ``--sample`` replaces cProfile (which sees the main thread only) by a sampler of every thread's stack
 (``sys._current_frames`` every 2 ms): OUT_DIR/samples.txt lists, per thread, where it spent its
 time (innermost frame of our package or the stdlib call it waits in), so a reader / device / writer /
@@ -21,16 +25,14 @@ import io
 import json
 import pstats
 import shutil
+import subprocess
 import sys
 import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gen_checkpoint import generate, warm
-
-from mxfp4conv.pipeline import ConvertOptions, convert
+HERE = Path(__file__).resolve().parent
 
 
 def _where(frame) -> str:  # type: ignore[no-untyped-def]
@@ -92,7 +94,32 @@ class Sampler(threading.Thread):
         return "\n".join(lines) + "\n"
 
 
+def sampled_cli(out: Path, argv: list[str]) -> None:
+    """Run ``mxfp4conv ARGV`` in this process under the sampler (this process must not have imported
+    torch: its import is part of what is measured); OUT/samples.txt, OUT/timeline.txt, OUT/cli.json."""
+    sampler = Sampler()
+    sampler.start()
+    from mxfp4conv.cli import cli
+
+    code = 0
+    try:
+        cli.main(argv, prog_name="mxfp4conv", standalone_mode=False)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    wall = time.perf_counter() - sampler.t0
+    sampler.stop.set()
+    sampler.join()
+    (out / "samples.txt").write_text(sampler.report())
+    (out / "timeline.txt").write_text(sampler.timeline_text())
+    (out / "cli.json").write_text(json.dumps({"argv": argv, "exit_code": code, "wall_s": round(wall, 3)}))
+
+
 def main() -> None:
+    sys.path.insert(0, str(HERE))
+    from gen_checkpoint import generate, warm
+
+    from mxfp4conv.pipeline import ConvertOptions, convert
+
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--layers", type=int, default=4)
@@ -102,6 +129,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/prof"))
     ap.add_argument("--sample", action="store_true", help="sample every thread instead of cProfile")
     ap.add_argument("--keep-src", action="store_true", help="reuse WORK/src if it is there, and keep it afterwards")
+    ap.add_argument("--as-typed", action="store_true", help="profile the CLI's command in a fresh process (see above)")
+    ap.add_argument("flags", nargs="*", help="with --as-typed: extra convert flags (after --)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.keep_src and (args.work / "src").is_dir():
@@ -112,6 +141,18 @@ def main() -> None:
         args.work.mkdir(parents=True)
         src = generate(args.work / "src", args.layout, args.layers)
     size = warm(src)
+    if args.as_typed:
+        argv = ["convert", str(src), str(args.work / "out"), "--to", args.to, "--device", args.device, "--json", *args.flags]
+        code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); from pathlib import Path; "
+                f"from device_profile import sampled_cli; sampled_cli(Path({str(args.out)!r}), sys.argv[1:])")
+        rep = json.loads(subprocess.run([sys.executable, "-c", code, *argv], check=True, stdout=subprocess.PIPE).stdout)
+        print(json.dumps({**json.loads((args.out / "cli.json").read_text()), "bytes": size, "seconds": rep["seconds"],
+                          "requantized_on": rep.get("requantized_on"), "verified": (rep.get("verify") or {}).get("ok")}))
+        print((args.out / "timeline.txt").read_text())
+        shutil.rmtree(args.work / "out", ignore_errors=True)
+        if not args.keep_src:
+            shutil.rmtree(args.work, ignore_errors=True)
+        return
     opts = ConvertOptions(target=args.to, device=args.device, verify=False)
     # warm-up on a copy of one layer's worth is not possible cheaply: JIT time is part of the first unit
     if args.sample:
