@@ -29,6 +29,7 @@ concurrently.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 
 from mxfp4conv.canonical import FP4Weight
-from mxfp4conv.formats.fp4 import E2M1_POS_VALUES, F4_E2M1_MAX, e4m3_decode, unpack_nibbles
+from mxfp4conv.formats.fp4 import E2M1_POS_VALUES, F4_E2M1_MAX, e4m3_bits, e4m3_decode, unpack_nibbles
 from mxfp4conv.formats.mxfp4 import (
     MX_BLOCK,
     ScaleRule,
@@ -398,6 +399,12 @@ def _intra_op_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
+@functools.cache
+def _e4m3_values() -> torch.Tensor:
+    """float32 [256]: the value of each E4M3 bit pattern (the compiled kernel's decode table)."""
+    return e4m3_decode(torch.arange(256, dtype=torch.int32).to(torch.uint8)).contiguous()
+
+
 def requant_rows_cpu(
     packed: torch.Tensor,
     scales_e4m3: torch.Tensor,
@@ -435,13 +442,14 @@ def requant_rows_cpu(
         row_stats = torch.zeros(r, 5, dtype=torch.float64)
     if r == 0 or k == 0:
         return out, scales_out, row_stats
-    s = e4m3_decode(scales_e4m3).contiguous()
     g = global_rows.float().contiguous()
     step = max(1, _SLAB_WEIGHTS // k)
     kern = requant_native.load()
     if kern is not None:
         packed = packed.contiguous()
-        addrs = (packed.data_ptr(), s.data_ptr(), g.data_ptr())
+        bits = e4m3_bits(scales_e4m3).contiguous()  # decoded by the kernel, in the workers
+        lut = _e4m3_values()
+        addrs = (packed.data_ptr(), bits.data_ptr(), lut.data_ptr(), g.data_ptr())
         outs = (out.data_ptr(), scales_out.data_ptr(), row_stats.data_ptr())
         kh = k // 2
 
@@ -458,7 +466,8 @@ def requant_rows_cpu(
                 ws = local.ws = _Workspace()
             r1 = min(r, r0 + step)
             dest = (out[r0:r1], scales_out[r0:r1], row_stats[r0:r1])
-            _slab(packed[r0:r1].contiguous(), s[r0:r1], g[r0:r1], divisor, rule, ws, dest)
+            _slab(packed[r0:r1].contiguous(), e4m3_decode(scales_e4m3[r0:r1]).contiguous(), g[r0:r1], divisor, rule,
+                  ws, dest)
 
     n_threads = threads or int(os.environ.get("MXFP4CONV_CPU_THREADS", "0")) or torch.get_num_threads()
     starts = range(0, r, step)
@@ -496,7 +505,6 @@ def _requant_resident(w: FP4Weight, rule: ScaleRule, device: str) -> tuple[FP4We
     pool (``io.pinned.HostSlabs``: reused once written, where page-locked memory sized by the unit
     was most of the GPU path's peak RSS). The scales are validated from the row maxima computed on
     the device, before anything is returned."""
-    from mxfp4conv.formats.fp4 import e4m3_bits
     from mxfp4conv.io.pinned import host_slabs
     from mxfp4conv.kernels.requant_triton import requant_rows
 

@@ -157,11 +157,12 @@ static inline float present_max(const float *d, const float *pm) {
     return v[0];
 }
 
-/* rows [r0, r1): packed u8 [R, kh], s f32 [R, kh/8] (decoded E4M3), g f32 [R];
+/* rows [r0, r1): packed u8 [R, kh], s u8 [R, kh/8] (E4M3 bit patterns, decoded through e4m3, the
+ * 256 values as f32: the decode runs here, in the worker threads, not serially before them), g f32 [R];
  * out u8 [R, kh], scales_out u8 [R, kh/16], row_stats f64 [R, 5]. rule: 0 FLOOR 1 EVEN 2 RCEIL 3 MSE. */
-MULTIVERSION int mxfp4conv_requant_rows(const uint8_t *packed, const float *s, const float *g, int64_t r0, int64_t r1,
-                           int64_t kh, int divisor, int rule, uint8_t *out, uint8_t *scales_out,
-                           double *row_stats) {
+MULTIVERSION int mxfp4conv_requant_rows(const uint8_t *packed, const uint8_t *s, const float *e4m3, const float *g,
+                           int64_t r0, int64_t r1, int64_t kh, int divisor, int rule, uint8_t *out,
+                           uint8_t *scales_out, double *row_stats) {
     const int64_t nb = kh / 16;
     for (int64_t row = r0; row < r1; row++) {
         const float gv = g[row];
@@ -173,7 +174,8 @@ MULTIVERSION int mxfp4conv_requant_rows(const uint8_t *packed, const float *s, c
         for (int64_t j = 0; j < nb; j++) {
             const uint8_t *pb = packed + row * kh + j * 16;
             uint8_t *ob = out + row * kh + j * 16;
-            const float *sv = s + row * (kh / 8) + 2 * j;
+            const uint8_t *sb = s + row * (kh / 8) + 2 * j;
+            const float sv[2] = {e4m3[sb[0]], e4m3[sb[1]]};
             /* The table: |x| of magnitude m in half h at t = h * 8 + m (non-decreasing in m). */
             float at[16], p[16];
             for (int t = 0; t < 16; t++) p[t] = POS8[t & 7] * fabsf(sv[t >> 3]);

@@ -44,16 +44,17 @@ class NativeKernel:
         self.path = path
         fn = lib.mxfp4conv_requant_rows
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        fn.argtypes = [p, p, p, i64, i64, i64, i32, i32, p, p, p]
+        fn.argtypes = [p, p, p, p, i64, i64, i64, i32, i32, p, p, p]
         fn.restype = i32
         self._fn = fn
 
-    def rows(self, packed: int, s: int, g: int, r0: int, r1: int, kh: int, divisor: bool, rule: str,
+    def rows(self, packed: int, s: int, e4m3: int, g: int, r0: int, r1: int, kh: int, divisor: bool, rule: str,
              out: int, scales_out: int, row_stats: int) -> None:
         """Rows ``[r0, r1)`` of contiguous buffers given by address (``tensor.data_ptr()``):
-        packed u8 ``[R, kh]``, decoded block scales f32 ``[R, kh/8]``, g f32 ``[R]`` -> out u8
-        ``[R, kh]``, scales_out u8 ``[R, kh/16]``, row_stats f64 ``[R, 5]``."""
-        self._fn(packed, s, g, r0, r1, kh, int(divisor), _RULE_IDS[rule], out, scales_out, row_stats)
+        packed u8 ``[R, kh]``, block scales u8 ``[R, kh/8]`` (E4M3 bit patterns), ``e4m3`` f32 ``[256]``
+        (each pattern's value), g f32 ``[R]`` -> out u8 ``[R, kh]``, scales_out u8 ``[R, kh/16]``,
+        row_stats f64 ``[R, 5]``."""
+        self._fn(packed, s, e4m3, g, r0, r1, kh, int(divisor), _RULE_IDS[rule], out, scales_out, row_stats)
 
 
 def kernel_mode() -> str:
