@@ -43,6 +43,7 @@ def tree(root: Path) -> dict[str, str]:
 STAGES: dict[str, dict[str, float]] = {}
 
 
+ON: dict[str, dict[str, int]] = {}  # units requantized per device, of the last conversion into each name
 RSS: dict[str, int] = {}  # peak RSS (bytes) of the last conversion into each destination name
 _TIMED = ("import json,resource,subprocess,sys,time;t=time.perf_counter();"
           "r=subprocess.run(sys.argv[1:],stdout=subprocess.PIPE,text=True);w=time.perf_counter()-t;"
@@ -57,7 +58,9 @@ def conv(src: Path, dst: Path, *flags: str, env: dict[str, str] | None = None) -
     wall, rss_kib, rc, out = json.loads(res.stdout.strip().splitlines()[-1])
     if rc:
         raise SystemExit(f"convert failed ({rc}): {res.stderr[-2000:]}")
-    STAGES[dst.name] = {k: round(v, 2) for k, v in json.loads(out).get("seconds", {}).items()}
+    doc = json.loads(out)
+    STAGES[dst.name] = {k: round(v, 2) for k, v in doc.get("seconds", {}).items()}
+    ON[dst.name] = doc.get("requantized_on") or {}
     RSS[dst.name] = rss_kib * 1024
     return float(wall)
 
@@ -211,7 +214,7 @@ def big(w: Path, layers: int, emit: Any, rounds: int = 1, verify: bool = True, s
                  gb=round(size / 1e9, 2), gweights=round(weights / 1e9, 2), **row, in_process_s=stages.get("total"),
                  in_process_vs_cp=round(t_cp / stages["total"], 3) if stages.get("total") else None,
                  python_torch_cuda_startup_s=round(startup, 2), gweights_per_s=round(weights / t_conv / 1e9, 3),
-                 largest_unit_gb=round(largest / 1e9, 3), stages=stages)
+                 largest_unit_gb=round(largest / 1e9, 3), stages=stages, requantized_on=ON.get("out"))
             if mode == "no-verify":
                 points.append((size / 1e9, t_cp, t_conv))
     for mode in ("default", "no-verify"):

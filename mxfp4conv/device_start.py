@@ -1,11 +1,12 @@
 """CUDA's start, overlapped with the conversion's first units.
 
 A fresh process spends seconds importing torch, starting CUDA and loading the Triton kernel.
-``begin`` does that on a helper thread while SRC is planned and its first units are read. Until it is
+``begin`` does all three on a helper thread while SRC is planned and its first units are read. Until it is
 done (``ready``), a unit bound for a GPU may be requantized by the CPU kernel instead
 (``cpu_stands_in``): the bytes, statistics and errors are the same by contract (docs/REQUANT.md), so
-the GPU's start costs the CPU's throughput rather than idle seconds. The CPU stands in only on a
-host with the cores for it (``STAND_IN_CORES``), and for one unit at a time.
+the GPU's start costs the CPU's throughput rather than idle seconds. The CPU stands in for one
+unit at a time, and only on a host with the cores for it (``STAND_IN_CORES``;
+``MXFP4CONV_CPU_STAND_IN=0`` never, ``=1`` on any host).
 """
 
 from __future__ import annotations
@@ -42,9 +43,15 @@ def begin() -> None:
 
                     use_fast_pinning()  # before the first pinned allocation
                     torch.cuda.init()
-                    from mxfp4conv.kernels.requant_triton import _jit
+                    from mxfp4conv.kernels.requant_triton import requant_rows
 
-                    _jit()  # triton and the kernel module, imported before the first unit needs them
+                    # one row through the kernel: Triton's import, its cache key (a hash of its own
+                    # sources, ~0.4 s) and the kernel's load happen here, not on the first unit
+                    dev = torch.device("cuda", torch.cuda.current_device())
+                    requant_rows(torch.zeros(1, 16, dtype=torch.uint8, device=dev),
+                                 torch.full((1, 2), 0x38, dtype=torch.uint8, device=dev),
+                                 torch.ones(1, device=dev), False, "mse")
+                    torch.cuda.synchronize(dev)
         finally:
             done.set()
 
@@ -56,12 +63,20 @@ def ready() -> bool:
     return _started is None or _started.is_set()
 
 
+def _may_stand_in() -> bool:
+    """``MXFP4CONV_CPU_STAND_IN``: ``auto`` (default: on a host of at least ``STAND_IN_CORES`` cores),
+    ``1`` (any host) or ``0`` (never: units wait for the GPU)."""
+    mode = os.environ.get("MXFP4CONV_CPU_STAND_IN", "auto").strip().lower()
+    if mode in ("0", "off", "no", "false"):
+        return False
+    return mode in ("1", "on", "yes", "true") or (os.cpu_count() or 1) >= STAND_IN_CORES
+
+
 @contextlib.contextmanager
 def cpu_stands_in(device: str) -> Iterator[str]:
     """The device a unit bound for ``device`` is requantized on: ``cpu`` while the GPU is starting
     and the CPU is free to stand in, else ``device``."""
-    if not device.startswith("cuda") or ready() or (os.cpu_count() or 1) < STAND_IN_CORES \
-            or not _stand_in.acquire(blocking=False):
+    if not device.startswith("cuda") or ready() or not _may_stand_in() or not _stand_in.acquire(blocking=False):
         yield device
         return
     try:

@@ -49,6 +49,16 @@ def test_a_host_with_few_cores_waits_for_the_gpu(starting: threading.Event, monk
         assert where == "cuda:0"
 
 
+def test_the_stand_in_can_be_turned_off_or_forced(starting: threading.Event, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MXFP4CONV_CPU_STAND_IN", "0")
+    with device_start.cpu_stands_in("cuda:0") as off:
+        assert off == "cuda:0"
+    monkeypatch.setenv("MXFP4CONV_CPU_STAND_IN", "1")
+    monkeypatch.setattr(device_start.os, "cpu_count", lambda: 2)
+    with device_start.cpu_stands_in("cuda:0") as forced:
+        assert forced == "cpu"
+
+
 def test_only_the_compiled_kernel_stands_in(starting: threading.Event, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MXFP4CONV_CPU_KERNEL", "torch")
     with device_start.cpu_stands_in("cuda:0") as where:
