@@ -283,9 +283,8 @@ def _render_convert(doc: dict[str, Any]) -> None:
         sq = st.get("sqnr_db")
         _err.print(f"  {_safe(name)}: SQNR {sq if sq is None else round(sq, 2)} dB, clipped {st.get('clipped_share', 0):.3%}")
     on = doc.get("requantized_on") or {}
-    if len(on) > 1:  # several GPUs, or the CPU standing in for one
-        _err.print("requantized on: " + ", ".join(f"{_safe(d)} {n} unit(s)" for d, n in sorted(on.items()))
-                   + (" (the CPU while CUDA started)" if "cpu" in on else ""))
+    if len(on) > 1:  # several GPUs
+        _err.print("requantized on: " + ", ".join(f"{_safe(d)} {n} unit(s)" for d, n in sorted(on.items())))
     if doc.get("ray"):
         r = doc["ray"]
         _err.print(f"Ray: {r['tasks']} task(s) on {r['nodes']} node(s) of {_safe(r['address'])} (one {r['resource']} each)")

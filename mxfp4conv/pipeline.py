@@ -6,11 +6,13 @@ callback and the result is a ``ConvertReport``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import heapq
 import json
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-from mxfp4conv import __version__, device_start
+from mxfp4conv import __version__
 from mxfp4conv.check import InlineVerifier, check_structure
 from mxfp4conv.errors import OutputError, StagingError, UsageError
 from mxfp4conv.inspect import SCHEMA_VERSION
@@ -87,7 +89,7 @@ class ConvertReport:
     # where NVFP4 -> MXFP4 ran: {"devices": [...], "cpu_kernel": "native" | "torch" | None}; None if
     # nothing is requantized
     compute: dict[str, Any] | None = None
-    # units requantized per device; "cpu" in a GPU conversion: the CPU stood in while CUDA started
+    # units requantized per device (several GPUs share a conversion's units)
     requantized_on: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -390,11 +392,29 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
     return report
 
 
-def _start_device(opts: ConvertOptions) -> None:
-    """For a GPU conversion, start CUDA beside the planning and the first units (``device_start``)."""
+def _start_device(opts: ConvertOptions) -> threading.Thread | None:
+    """For a GPU conversion, import torch and start CUDA on a helper thread while SRC is planned and
+    its first units are read (a fresh process spends seconds there); None when no GPU is asked for."""
     wanted = opts.device in ("cuda", "auto") or opts.device.startswith("cuda:") or any(d.startswith("cuda") for d in opts.devices)
-    if wanted and not opts.dry_run:
-        device_start.begin()
+    if not wanted or opts.dry_run:
+        return None
+
+    def start() -> None:
+        with contextlib.suppress(Exception):
+            import torch
+
+            if torch.cuda.is_available():
+                from mxfp4conv.io.pinned import use_fast_pinning
+
+                use_fast_pinning()  # before the first pinned allocation
+                torch.cuda.init()
+                from mxfp4conv.kernels.requant_triton import _jit
+
+                _jit()  # triton and the kernel module, imported before the first unit needs them
+
+    t = threading.Thread(target=start, name="mxfp4conv-device-start", daemon=True)
+    t.start()
+    return t
 
 
 def _fill_plan_report(report: ConvertReport, plan: Plan, target: Target, ctx: WriterContext,

@@ -8,8 +8,6 @@ the post-write check compares the unit's written bytes with (``UnitResult.want``
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -17,7 +15,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from mxfp4conv import device_start
 from mxfp4conv.canonical import Canonical, FP4Weight
 from mxfp4conv.canonicalize import to_mxfp4
 from mxfp4conv.errors import InputError
@@ -63,7 +60,7 @@ def read_onto(spec: UnitSpec, ckpt: Checkpoint, device: str) -> str | None:
 
     from mxfp4conv.requant import fits_on_device
 
-    if not (device_start.ready() and torch.cuda.is_available() and torch.cuda.is_initialized()):
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return None
     return device if fits_on_device(read_sizes([spec], [None], ckpt)[0], device) else None
 
@@ -74,21 +71,12 @@ def _transform(spec: UnitSpec, job: Job, ctx: WriterContext, device: str, check:
     unit, t_read = source if source is not None else _read(spec, job, ctx, device)
     if isinstance(unit, list):  # a pure rename: bytes are copied by the writer
         return UnitResult(unit, {}, t_read, 0.0)
-    # a unit read into host memory while CUDA starts may be requantized by the CPU meanwhile
-    with device_start.cpu_stands_in(device) if _on_host(unit) else contextlib.nullcontext(device) as where:
-        if where.startswith("cuda"):
-            import torch
+    if device.startswith("cuda"):
+        import torch
 
-            with torch.cuda.device(torch.device(where)):  # kernels launch on the thread's current device
-                return _transform_on(unit, spec, job, ctx, where, t_read, check)
-        return _transform_on(unit, spec, job, ctx, where, t_read, check)
-
-
-def _on_host(unit: Canonical) -> bool:
-    """Whether a unit's weights were read into host memory (before CUDA had started, or too large
-    for the device): only such a unit may be requantized by the CPU instead."""
-    return all(v.packed.device.type == "cpu" for f in dataclasses.fields(unit)
-               if isinstance(v := getattr(unit, f.name), FP4Weight))
+        with torch.cuda.device(torch.device(device)):  # kernels launch on the thread's current device
+            return _transform_on(unit, spec, job, ctx, device, t_read, check)
+    return _transform_on(unit, spec, job, ctx, device, t_read, check)
 
 
 def _transform_on(unit: Any, spec: UnitSpec, job: Job, ctx: WriterContext, device: str, t_read: float,
@@ -118,6 +106,7 @@ def requant_on_device(unit: Canonical, rule: str, device: str) -> Canonical:
     """The unit's NVFP4 weights requantized to MXFP4 on ``device``, results left there (no host
     staging): the reference the post-write check compares the written bytes with. The same bytes
     as ``to_mxfp4`` (the kernel is byte-identical to the CPU's for any chunking)."""
+    import dataclasses
 
     from mxfp4conv.kernels.requant_triton import requant_rows
 

@@ -459,3 +459,12 @@ def test_human_summary_names_the_busiest_stage(srcs: dict[str, Path], tmp_path: 
     assert all(re.fullmatch(r"\d+\.\d", v) for v in stages.values()), line  # no negative, nan or inf
     last = err.splitlines()[-1]
     assert last.startswith("done: ") and last.endswith(", verified"), last  # ", NOT verified" must fail
+
+
+def test_the_report_says_where_units_were_requantized(tmp_path: Path) -> None:
+    src = build("modelopt-nvfp4", tmp_path / "src", layers=2, experts=4, hidden=128, inter=64)
+    report = pipeline.convert(src, tmp_path / "out", pipeline.ConvertOptions(target="ct", device="cpu"))
+    assert report.requantized == 2 and report.requantized_on == {"cpu": 2}
+    renamed = pipeline.convert(build("ct-mxfp4", tmp_path / "mx", layers=1, experts=4, hidden=128, inter=64), tmp_path / "mx-out",
+                      pipeline.ConvertOptions(target="ct"))
+    assert renamed.requantized_on == {}
