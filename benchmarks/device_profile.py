@@ -7,8 +7,9 @@ Generates a Qwen3-30B-A3B-like ModelOpt NVFP4 checkpoint, converts it once in-pr
 OUT_DIR/profile.json (the convert report: per-stage seconds, wall, GB/s).
 
 ``--as-typed`` runs the CLI's default command (``mxfp4conv convert SRC DST --to ct --device cuda``,
-which verifies; ``--json`` is added for the report; more flags after ``--``) in a fresh process under the sampler below, so Python's,
-torch's and CUDA's start are on the timeline as users meet them.
+which verifies; ``--json`` is added for the report, ``--flag=--no-verify`` adds a flag) in a fresh
+process under the sampler below, so Python's, torch's and CUDA's start are on the timeline as users
+meet them.
 
 ``--sample`` replaces cProfile (which sees the main thread only) by a sampler of every thread's stack
 (``sys._current_frames`` every 2 ms): OUT_DIR/samples.txt lists, per thread, where it spent its
@@ -130,7 +131,8 @@ def main() -> None:
     ap.add_argument("--sample", action="store_true", help="sample every thread instead of cProfile")
     ap.add_argument("--keep-src", action="store_true", help="reuse WORK/src if it is there, and keep it afterwards")
     ap.add_argument("--as-typed", action="store_true", help="profile the CLI's command in a fresh process (see above)")
-    ap.add_argument("flags", nargs="*", help="with --as-typed: extra convert flags (after --)")
+    ap.add_argument("--flag", action="append", default=[], dest="flags",
+                    help="with --as-typed: one more convert flag (repeatable), e.g. --flag=--no-verify")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.keep_src and (args.work / "src").is_dir():

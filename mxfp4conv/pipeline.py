@@ -89,7 +89,7 @@ class ConvertReport:
     # where NVFP4 -> MXFP4 ran: {"devices": [...], "cpu_kernel": "native" | "torch" | None}; None if
     # nothing is requantized
     compute: dict[str, Any] | None = None
-    # units requantized per device (several GPUs share a conversion's units)
+    # units requantized by this run, per device (several GPUs share a conversion's units)
     requantized_on: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

@@ -465,6 +465,6 @@ def test_the_report_says_where_units_were_requantized(tmp_path: Path) -> None:
     src = build("modelopt-nvfp4", tmp_path / "src", layers=2, experts=4, hidden=128, inter=64)
     report = pipeline.convert(src, tmp_path / "out", pipeline.ConvertOptions(target="ct", device="cpu"))
     assert report.requantized == 2 and report.requantized_on == {"cpu": 2}
-    renamed = pipeline.convert(build("ct-mxfp4", tmp_path / "mx", layers=1, experts=4, hidden=128, inter=64), tmp_path / "mx-out",
-                      pipeline.ConvertOptions(target="ct"))
-    assert renamed.requantized_on == {}
+    mx = build("ct-mxfp4", tmp_path / "mx", layers=1, experts=4, hidden=128, inter=64)
+    renamed = pipeline.convert(mx, tmp_path / "mx-out", pipeline.ConvertOptions(target="ct"))
+    assert renamed.requantized_on == {}  # a rename requantizes nothing

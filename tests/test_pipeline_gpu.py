@@ -68,7 +68,6 @@ def test_gpu_inline_proof_catches_a_flipped_byte(tmp_path: Path, monkeypatch: py
     assert not (tmp_path / "bad").exists()
 
 
-
 def test_the_report_says_which_device_requantized_each_unit(tmp_path: Path) -> None:
     src = build("modelopt-nvfp4", tmp_path / "src", layers=4, experts=8, hidden=256, inter=128, shards=2)
     one = convert(src, tmp_path / "one", ConvertOptions(target="ct", device="cuda:0"))
