@@ -64,8 +64,13 @@ __all__ = [
 ]
 
 ROW_STATS = ("sq_err", "signal", "max_abs_err", "clipped_blocks", "exact_blocks")  # row_stats columns
-DEFAULT_CHUNK_ROWS = 4096
-_SLAB_WEIGHTS = 1 << 17  # weights per CPU work item: keeps the tables and gathers cache-resident
+# rows per chunk of a weight: the CPU's workers meet once per chunk (the statistics are folded
+# there), the GPU's chunked driver streams at least GPU_MIN_CHUNK_ROWS at a time
+DEFAULT_CHUNK_ROWS = 1 << 17
+_SLAB_WEIGHTS = 1 << 17  # weights per work item of the torch path: keeps its tables cache-resident
+# weights per call of the compiled kernel at most (~10 ms of one core): each call takes the GIL to
+# start and to return, and many cores handing it over every fraction of a millisecond leave it idle
+_NATIVE_SLAB_WEIGHTS = 1 << 22
 
 
 def _seq_fold(acc: float, vals: torch.Tensor) -> float:
@@ -443,9 +448,12 @@ def requant_rows_cpu(
     if r == 0 or k == 0:
         return out, scales_out, row_stats
     g = global_rows.float().contiguous()
+    n_threads = threads or int(os.environ.get("MXFP4CONV_CPU_THREADS", "0")) or torch.get_num_threads()
     step = max(1, _SLAB_WEIGHTS // k)
     kern = requant_native.load()
     if kern is not None:
+        # large calls, yet at least four per worker so that they finish together
+        step = max(1, min(_NATIVE_SLAB_WEIGHTS // k, -(-r // (4 * max(1, n_threads)))))
         packed = packed.contiguous()
         bits = e4m3_bits(scales_e4m3).contiguous()  # decoded by the kernel, in the workers
         lut = _e4m3_values()
@@ -469,7 +477,6 @@ def requant_rows_cpu(
             _slab(packed[r0:r1].contiguous(), e4m3_decode(scales_e4m3[r0:r1]).contiguous(), g[r0:r1], divisor, rule,
                   ws, dest)
 
-    n_threads = threads or int(os.environ.get("MXFP4CONV_CPU_THREADS", "0")) or torch.get_num_threads()
     starts = range(0, r, step)
     with _intra_op_threads(1):  # parallelism comes from the slabs, never from OpenMP inside an op
         if n_threads <= 1 or len(starts) == 1:

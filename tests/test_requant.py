@@ -276,6 +276,18 @@ def test_threads_and_slab_sizes_do_not_change_bytes(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
+@pytest.mark.parametrize("slab", [1, 256 * 5, 256 * 11, 1 << 22])
+def test_the_compiled_kernels_call_sizes_do_not_change_bytes(monkeypatch: pytest.MonkeyPatch, slab: int) -> None:
+    data = random_nvfp4(37, 256, False, seed=5)
+    base = requant_rows_cpu(*data, False, ScaleRule.MSE, threads=1)
+    monkeypatch.setattr(rq, "_NATIVE_SLAB_WEIGHTS", slab)
+    for threads in (1, 3):
+        got = requant_rows_cpu(*data, False, ScaleRule.MSE, threads=threads)
+        for a, b in zip(got, base, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine")
 def test_native_kernel_builds_and_is_used(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """This machine has a C compiler: auto mode builds the kernel into the cache and runs it
     (the torch path is not called); torch mode never builds it."""
