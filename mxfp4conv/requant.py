@@ -452,8 +452,8 @@ def requant_rows_cpu(
     step = max(1, _SLAB_WEIGHTS // k)
     kern = requant_native.load()
     if kern is not None:
-        # large calls, yet at least four per worker so that they finish together
-        step = max(1, min(_NATIVE_SLAB_WEIGHTS // k, -(-r // (4 * max(1, n_threads)))))
+        # large calls, yet at least eight per worker so that the workers finish together
+        step = max(1, min(_NATIVE_SLAB_WEIGHTS // k, -(-r // (8 * max(1, n_threads)))))
         packed = packed.contiguous()
         bits = e4m3_bits(scales_e4m3).contiguous()  # decoded by the kernel, in the workers
         lut = _e4m3_values()
