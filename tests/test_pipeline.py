@@ -468,3 +468,21 @@ def test_the_report_says_where_units_were_requantized(tmp_path: Path) -> None:
     mx = build("ct-mxfp4", tmp_path / "mx", layers=1, experts=4, hidden=128, inter=64)
     renamed = pipeline.convert(mx, tmp_path / "mx-out", pipeline.ConvertOptions(target="ct"))
     assert renamed.requantized_on == {}  # a rename requantizes nothing
+
+
+def test_human_summary_says_how_several_devices_shared_the_units(srcs: dict[str, Path], tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """One device: no line (the report says it); several: units per device, a line of its own."""
+    code, _, err = run("convert", str(srcs["ct-nvfp4"]), str(tmp_path / "one"), "--to", "ct", "--device", "cpu")
+    assert code == 0 and "requantized on" not in err, err
+    real = pipeline.convert
+
+    def shared(*args, **kwargs):  # type: ignore[no-untyped-def]
+        report = real(*args, **kwargs)
+        report.requantized_on = {"cuda:1": 3, "cuda:0": 4}  # as two GPUs would report it
+        return report
+
+    monkeypatch.setattr(pipeline, "convert", shared)
+    code, _, err = run("convert", str(srcs["ct-nvfp4"]), str(tmp_path / "two"), "--to", "ct", "--device", "cpu")
+    assert code == 0, err
+    assert "requantized on: cuda:0 4 unit(s), cuda:1 3 unit(s)" in err.splitlines(), err
