@@ -426,9 +426,10 @@ def requant_rows_cpu(
     ``packed`` uint8 ``[R, K/2]``, ``scales_e4m3`` float8_e4m3fn / uint8 bits ``[R, K/16]``,
     ``global_rows`` float32 ``[R]`` -> (``packed_out`` uint8 ``[R, K/2]``, ``scales_out`` uint8
     ``[R, K/32]``, ``row_stats`` float64 ``[R, 5]`` = (sq_err, signal, max_abs_err, clipped_blocks,
-    exact_blocks)). Inputs must be valid (``validate_nvfp4_scales``). Work is split into row slabs of
-    ~128K weights run on ``threads`` worker threads (default: torch's intra-op thread count), by the
-    compiled kernel (``requant_native.load()``) or else with single-threaded torch ops. ``into``: the
+    exact_blocks)). Inputs must be valid (``validate_nvfp4_scales``). Work is split into row slabs run
+    on ``threads`` worker threads (default: torch's intra-op thread count), by the compiled kernel
+    (``requant_native.load()``; slabs of up to 4M weights, at least eight per thread) or else with
+    single-threaded torch ops (slabs of ~128K weights). ``into``: the
     three results' tensors to write into (contiguous, of those shapes; row_stats zeroed), e.g. slices
     of a whole weight's outputs; ``pool``: the worker threads to use (a caller running many chunks
     keeps one pool rather than one per call).
