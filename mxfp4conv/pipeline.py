@@ -86,7 +86,8 @@ class ConvertReport:
     seconds: dict[str, float] = field(default_factory=dict)
     verify: dict[str, Any] | None = None
     requant_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # where NVFP4 -> MXFP4 ran: {"devices": [...], "cpu_kernel": "native" | "torch" | None}; None if
+    # where NVFP4 -> MXFP4 ran: {"devices": [...], "cpu_kernel": "native" | "torch" | None, and
+    # "head_start": the unit requantized on the CPU while torch was imported, when one was}; None if
     # nothing is requantized
     compute: dict[str, Any] | None = None
     # units requantized by this run, per device (several GPUs share a conversion's units)
@@ -259,6 +260,8 @@ def _write_window(todo: list[tuple[_ShardPlan, str, Path]], job: Job, ctx: Write
             sh.stats.update(res.stats)
             if res.device:
                 report.requantized_on[res.device] = report.requantized_on.get(res.device, 0) + 1
+            if res.head_start and report.compute is not None:
+                report.compute["head_start"] = spec.key
             report.seconds["read"] = report.seconds.get("read", 0.0) + res.t_read
             report.seconds["transform"] = report.seconds.get("transform", 0.0) + res.t_transform
             items, nbytes = _unit_items(spec, res, job, ctx, verifier, sh.path)

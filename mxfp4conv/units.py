@@ -2,7 +2,8 @@
 
 One device: units ahead are read on a helper thread while the current one is transformed
 (``read_ahead``: at most about two of the largest units in memory). Several devices: one unit per
-device in flight, each read and transformed on its device's thread. Each result also carries what
+device in flight, each read and transformed on its device's thread. In a fresh process the first NVFP4
+unit is read and requantized without torch while torch is imported (``head_start.py``). Each result also carries what
 the post-write check compares the unit's written bytes with (``UnitResult.want``, see ``check.py``).
 """
 
@@ -15,9 +16,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from mxfp4conv import head_start
 from mxfp4conv.canonical import Canonical, FP4Weight
 from mxfp4conv.canonicalize import to_mxfp4
-from mxfp4conv.errors import InputError
+from mxfp4conv.errors import InputError, UsageError
+from mxfp4conv.head_start import HeadStart
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.io.safetensors_io import FileSlice
 from mxfp4conv.job import Job, devices, direct_slices, needs_device
@@ -36,6 +39,7 @@ class UnitResult:
     # the canonical unit SRC yields, for the post-write check (None for a rename, or without checking)
     want: Canonical | None = None
     device: str = ""  # where the unit was requantized ("" when it was not)
+    head_start: bool = False  # made while torch was imported (``head_start.py``)
 
 
 def _read(spec: UnitSpec, job: Job, ctx: WriterContext, device: str = "cpu") -> tuple[Any, float]:
@@ -80,14 +84,14 @@ def _transform(spec: UnitSpec, job: Job, ctx: WriterContext, device: str, check:
 
 
 def _transform_on(unit: Any, spec: UnitSpec, job: Job, ctx: WriterContext, device: str, t_read: float,
-                  check: bool) -> UnitResult:
-    t1 = time.perf_counter()
+                  check: bool, done: dict[str, Any] | None = None, t_done: float = 0.0) -> UnitResult:
+    t1 = time.perf_counter() - t_done
     opts, ckpt = job.opts, job.ckpt
     stats: dict[str, Any] = {}
     source = unit
     if not ctx.target_options.keep_nvfp4:
         try:
-            unit, stats = to_mxfp4(unit, rule=opts.scale_rule, device=device)
+            unit, stats = to_mxfp4(unit, rule=opts.scale_rule, device=device, done=done)
         except ValueError as exc:  # invalid NVFP4 scales: name the unit and the first source file
             ref = ckpt.tensors[spec.sources[0]]
             raise InputError(str(exc), file=ckpt.rel(ckpt.tensors[bad].file) if (bad := _scale_tensor(ckpt, spec)) in ckpt.tensors else ckpt.rel(ref.file), tensor=bad,
@@ -100,6 +104,26 @@ def _transform_on(unit: Any, spec: UnitSpec, job: Job, ctx: WriterContext, devic
         want = requant_on_device(source, opts.scale_rule, device) if stats and device.startswith("cuda") else unit
     outs = job.target.encode(unit, spec, ctx)
     return UnitResult(outs, stats, t_read, time.perf_counter() - t1, want, device if stats else "")
+
+
+def _adopt(hs: HeadStart, spec: UnitSpec, job: Job, ctx: WriterContext, check: bool) -> UnitResult:
+    """The head-start unit's result: its stacks read as the layout reads them (validated as any unit's),
+    its rows' results taken as requantized (on the CPU), its statistics folded (``head_start``)."""
+    import torch
+
+    from mxfp4conv.layouts.split import read_split_unit
+
+    def view(buf: bytearray, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+        return torch.frombuffer(buf, dtype=dtype).view(shape) if len(buf) else torch.empty(shape, dtype=dtype)
+
+    t0 = time.perf_counter()
+    unit = read_split_unit(job.ckpt, spec, job.layout.nvfp4_roles(spec), raw=hs.stacks())
+    done = {k: (view(w.out, torch.uint8, w.rows, w.shape[2]), view(w.scales_out, torch.uint8, w.rows, w.shape[2] // 16),
+                view(w.row_stats, torch.float64, w.rows, 5)) for k, w in hs.weights.items()}
+    t_read = hs.t_read + time.perf_counter() - t0
+    res = _transform_on(unit, spec, job, ctx, "cpu", t_read, check, done, hs.t_transform)
+    res.head_start = True
+    return res
 
 
 def requant_on_device(unit: Canonical, rule: str, device: str) -> Canonical:
@@ -123,6 +147,19 @@ def requant_on_device(unit: Canonical, rule: str, device: str) -> Canonical:
     changes: dict[str, Any] = {f.name: one(v) for f in dataclasses.fields(unit)
                                if isinstance(v := getattr(unit, f.name), FP4Weight) and v.quant == "nvfp4"}
     return dataclasses.replace(unit, **changes)
+
+
+def _head_start_unit(units: list[UnitSpec], direct: list[list[FileSlice] | None], job: Job,
+                     ctx: WriterContext) -> tuple[int, Any] | None:
+    """The unit the head start makes, with the roles it is read by: the first NVFP4 unit of a
+    requantizing conversion, when ``head_start.wanted()``; else None."""
+    try:
+        want = head_start.wanted()
+    except ValueError as exc:
+        raise UsageError(str(exc), hint=f"unset {head_start.ENV}") from exc
+    if not want or not needs_device(ctx) or ctx.target_options.keep_nvfp4:
+        return None
+    return head_start.first_unit(units, direct, job.layout)
 
 
 def read_sizes(units: list[UnitSpec], direct: list[list[FileSlice] | None], ckpt: Checkpoint) -> list[int]:
@@ -159,14 +196,27 @@ def unit_results(units: list[UnitSpec], job: Job, ctx: WriterContext, check: boo
         direct = [direct_slices(spec, job.ckpt, job.target, ctx) for spec in units]
         sizes = read_sizes(units, direct, job.ckpt)
         upto = read_ahead(sizes, max(sizes, default=0))
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4conv-read") as reader:
+        first = _head_start_unit(units, direct, job, ctx)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4conv-read") as reader, \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4conv-head") as starter:
+            head: Future[HeadStart | None] | None = None
+            if first is not None:
+                head = starter.submit(head_start.make, first[0], units[first[0]], job.ckpt, first[1], job.opts.scale_rule)
             ahead: dict[int, Future[tuple[Any, float]]] = {}
             nxt = 0
             for i, spec in enumerate(units):
                 while nxt < upto[i]:
-                    if direct[nxt] is None:
+                    if direct[nxt] is None and (first is None or nxt != first[0]):
                         ahead[nxt] = reader.submit(_read, units[nxt], job, ctx, devs[0])
                     nxt += 1
+                if head is not None and first is not None and i == first[0]:
+                    hs = head.result()
+                    head = None
+                    if hs is not None:
+                        yield _adopt(hs, spec, job, ctx, check)
+                        del hs
+                        continue
+                    ahead[i] = reader.submit(_read, spec, job, ctx, devs[0])  # it could not be made: as any unit
                 source = ahead.pop(i).result() if direct[i] is None else (direct[i], 0.0)
                 yield _transform(spec, job, ctx, devs[0], check, source)
         return

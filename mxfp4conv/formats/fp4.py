@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from mxfp4conv.formats.tables import E4M3_BIAS, E4M3_VALUES
+
 __all__ = [
     "E2M1_MAG_MASK",
     "E2M1_POS_VALUES",
@@ -64,7 +66,6 @@ E8M0_MAX_EXP = 127  # byte 254 (the largest non-NaN byte)
 
 # --- E4M3 (OCP 8-bit Floating Point Specification (OFP8) rev. 1.0, "E4M3": bias 7, no Inf,
 # S.1111.111 = NaN, max normal 448, min subnormal 2^-9; torch.float8_e4m3fn).
-E4M3_BIAS = 7
 F8_E4M3_MAX = 448.0
 E4M3_NAN_BITS = (0x7F, 0xFF)
 
@@ -153,21 +154,7 @@ def e8m0_encode(exp: torch.Tensor) -> torch.Tensor:
     return (e + E8M0_BIAS).to(torch.uint8)
 
 
-def _e4m3_table() -> list[float]:
-    out: list[float] = []
-    for b in range(256):
-        sign = -1.0 if b & 0x80 else 1.0
-        e, m = (b >> 3) & 0xF, b & 0x7
-        if e == 0xF and m == 0x7:
-            out.append(float("nan"))
-        elif e == 0:
-            out.append(sign * m * 2.0 ** (1 - E4M3_BIAS - 3))  # subnormal: m/8 * 2^-6
-        else:
-            out.append(sign * (1.0 + m / 8.0) * 2.0 ** (e - E4M3_BIAS))
-    return out
-
-
-_E4M3_VALUES: list[float] = _e4m3_table()
+_E4M3_VALUES: tuple[float, ...] = E4M3_VALUES
 
 
 def e4m3_bits(t: torch.Tensor) -> torch.Tensor:

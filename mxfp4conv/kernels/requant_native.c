@@ -34,9 +34,10 @@ static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
 /* E2M1 grid value (0, 0.5, 1, 1.5, 2, 3, 4, 6) -> magnitude code, by its float32 bits >> 22
- * (0, 252, 254..259). */
-static const uint8_t CODE_LUT[260] = {[252] = 1, [254] = 2, [255] = 3, [256] = 4,
-                                      [257] = 5, [258] = 6, [259] = 7};
+ * (0, 252, 254..259). Sized for every 32-bit pattern (>> 22: 0..1023), so that rows of invalid
+ * input (NaN scales, which are refused only once the rows are back) never read past the table. */
+static const uint8_t CODE_LUT[1024] = {[252] = 1, [254] = 2, [255] = 3, [256] = 4,
+                                       [257] = 5, [258] = 6, [259] = 7};
 
 /* 2^k as float32 for k in [-127, 127] (2^-127 is the subnormal 0x00400000). */
 static inline float pow2f(int k) { return u2f(k >= -126 ? (uint32_t)(k + 127) << 23 : 0x00400000u); }

@@ -232,29 +232,45 @@ def _plan_moe(ckpt: Checkpoint, prefix: str, by_expert: dict[int, dict[str, str]
     return UnitSpec("moe", prefix, tuple(sources), (num, h, i), bool(has_bias), extra_info)
 
 
-def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, device: str | None = None) -> FP4Weight:
+def unit_groups(spec: UnitSpec) -> dict[str, list[list[str]]]:
+    """The modules of a moe or dense unit's FP4 weights, by canonical weight: ``w13`` (every expert's
+    gate, then every expert's up: gate rows, then up rows) and ``w2`` (down), or a dense ``weight``."""
+    if spec.kind == "dense":
+        return {"weight": [[spec.key]]}
+    mods = {r: [f"{spec.key}.{e}.{spec.extra[r]}" for e in range(spec.dims[0])] for r in ("gate", "up", "down")}
+    return {"w13": [mods["gate"], mods["up"]], "w2": [mods["down"]]}
+
+
+def weight_refs(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles) -> tuple[list[TensorRef], list[TensorRef], int, list[int]]:
+    """The packed and block-scale tensors of ``groups`` (group-major), the modules per group and each
+    group's rows: what ``stack_plan`` lays out."""
+    t = ckpt.tensors
+    refs = [[t[f"{m}.{roles.packed}"] for m in g] for g in groups]
+    srefs = [t[f"{m}.{roles.scale}"] for g in groups for m in g]
+    return [r for g in refs for r in g], srefs, len(groups[0]), [r[0].shape[0] for r in refs]
+
+
+def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, device: str | None = None,
+            raw: tuple[bytearray, bytearray] | None = None) -> FP4Weight:
     """The FP4 tensors of ``groups`` of modules: module e of every group stacked as ``[E, ...]`` and
     the groups concatenated along the rows (gate then up: w13). Bytes are read straight into the
     result (no per-module tensors, no stack or cat copies); block scales are checked once, on the
     whole result, and a NaN is then traced back to its source tensor. ``device``: a CUDA device that
-    NVFP4 stacks are read onto (they are requantized there; the global scales stay on the host)."""
+    NVFP4 stacks are read onto (they are requantized there; the global scales stay on the host).
+    ``raw``: the packed and scale stacks' bytes, read already (the head start)."""
     import torch
 
     from mxfp4conv.formats.fp4 import e4m3_has_nan
 
     t = ckpt.tensors
-    num = len(groups[0])
-    refs = [[t[f"{m}.{roles.packed}"] for m in g] for g in groups]
-    srefs = [[t[f"{m}.{roles.scale}"] for m in g] for g in groups]
-    rows = [r[0].shape[0] for r in refs]
+    prefs, srefs, num, rows = weight_refs(ckpt, groups, roles)
     onto = device if roles.quant == "nvfp4" else None
-    packed = _stack_into(ckpt, [r for g in refs for r in g], num, rows, onto)
-    scales = _stack_into(ckpt, [r for g in srefs for r in g], num, rows, onto)
+    packed = _stack_into(ckpt, prefs, num, rows, onto, None if raw is None else raw[0])
+    scales = _stack_into(ckpt, srefs, num, rows, onto, None if raw is None else raw[1])
     if roles.scale_dtype == "F8_E4M3":
         if e4m3_has_nan(scales):
-            for sg in srefs:
-                for ref in sg:
-                    _checked_scale(ckpt, ref, roles)
+            for ref in srefs:
+                _checked_scale(ckpt, ref, roles)
         scales = scales.view(torch.float8_e4m3fn)
     global_rows = None
     if roles.global_scale:
@@ -266,18 +282,16 @@ def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, devic
     return FP4Weight(roles.quant, packed, scales, global_rows, roles.global_is_divisor)  # type: ignore[arg-type]
 
 
-def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[int], device: str | None) -> torch.Tensor:
-    """uint8 ``[num, sum(rows), cols]`` from 2-D one-byte tensors: group j's module e fills rows
-    ``sum(rows[:j]) .. + rows[j]`` of slot e. ``refs`` are group-major (plan checked the shapes).
-    On ``device`` (CUDA) when given, read there through small pinned buffers (``io/device_read``)."""
-    import torch
-
+def stack_plan(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[int]) -> tuple[tuple[int, int, int], list[tuple[TensorRef, int]]]:
+    """Where each of ``refs`` (2-D one-byte tensors, group-major) goes in a uint8 ``[num, sum(rows),
+    cols]`` stack: group j's module e fills rows ``sum(rows[:j]) .. + rows[j]`` of slot e. Returns the
+    stack's shape and each tensor's byte offset in it; a tensor whose shape differs from its
+    partners' is an ``InputError``. No torch: the head start (``mxfp4conv/head_start.py``) reads
+    stacks before torch is imported."""
     first = refs[0]
     cols = first.shape[1]
     total = sum(rows)
-    out = torch.empty((num, total, cols), dtype=torch.uint8, device=device)
-    jobs = []
-    at: list[tuple[TensorRef, int]] = []  # each tensor's byte offset in ``out``
+    at: list[tuple[TensorRef, int]] = []
     r0 = 0
     for j, n in enumerate(rows):
         for e in range(num):
@@ -286,16 +300,31 @@ def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[in
                 raise InputError(f"shape {list(ref.shape)} {ref.dtype} differs from its partners' "
                                  f"{[n, first.shape[1]]} {first.dtype}", file=ckpt.rel(ref.file), tensor=ref.name,
                                  hint="the checkpoint is inconsistent; re-export it")
-            if device is None:
-                jobs.append((ref, tensor_view(out[e, r0:r0 + n])))
             at.append((ref, (e * total + r0) * cols))
         r0 += n
+    return (num, total, cols), at
+
+
+def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[int], device: str | None,
+                raw: bytearray | None = None) -> torch.Tensor:
+    """uint8 ``[num, sum(rows), cols]`` from 2-D one-byte tensors (``stack_plan``). On ``device``
+    (CUDA) when given, read there through small pinned buffers (``io/device_read``); ``raw``: the
+    stack's bytes, read already (the head start), used in place."""
+    import torch
+
+    shape, at = stack_plan(ckpt, refs, num, rows)
+    if raw is not None:  # in host memory: a head-start unit is requantized on the CPU
+        if len(raw) != shape[0] * shape[1] * shape[2] or device is not None:
+            raise ValueError(f"{refs[0].name}: a read stack of {len(raw)} bytes on the host, need {shape}")
+        return torch.frombuffer(raw, dtype=torch.uint8).view(shape) if len(raw) else torch.empty(shape, dtype=torch.uint8)
+    out = torch.empty(shape, dtype=torch.uint8, device=device)
     if device is not None:
         from mxfp4conv.io.device_read import read_to_device
 
         read_to_device(at, out)
     else:
-        read_many(jobs)  # every tensor of the stack, in parallel pieces
+        flat = tensor_view(out.view(-1)) if out.numel() else memoryview(b"")
+        read_many([(ref, flat[off:off + ref.nbytes]) for ref, off in at])  # every tensor, in parallel pieces
     return out
 
 
@@ -323,26 +352,28 @@ def _checked_global(ckpt: Checkpoint, ref: TensorRef) -> torch.Tensor:
     return g
 
 
-def read_split_unit(ckpt: Checkpoint, spec: UnitSpec, roles: LinearRoles, *, device: str | None = None) -> Canonical:
-    """One unit's tensors in canonical form; ``device``: the CUDA device its NVFP4 stacks are read onto."""
+def read_split_unit(ckpt: Checkpoint, spec: UnitSpec, roles: LinearRoles, *, device: str | None = None,
+                    raw: dict[str, tuple[bytearray, bytearray]] | None = None) -> Canonical:
+    """One unit's tensors in canonical form; ``device``: the CUDA device its NVFP4 stacks are read onto;
+    ``raw``: its weights' packed and scale stacks read already, by ``unit_groups`` name (the head start)."""
     import torch
 
     t = ckpt.tensors
     if spec.kind == "passthrough":
         return Passthrough(spec.key, t[spec.key].load())
+    groups = unit_groups(spec)
+    got = raw or {}
     if spec.kind == "dense":
-        w = _weight(ckpt, [[spec.key]], roles, device)
+        w = _weight(ckpt, groups["weight"], roles, device, got.get("weight"))
         one = FP4Weight(w.quant, w.packed[0], w.scales[0], None if w.global_rows is None else w.global_rows[0],
                         w.global_is_divisor)
         bias = t[f"{spec.key}.bias"].load() if spec.has_bias else None
         return DenseFP4(spec.key, one, bias)
-    num = spec.dims[0]
-    names = spec.extra
-    mods = {r: [f"{spec.key}.{e}.{names[r]}" for e in range(num)] for r in ("gate", "up", "down")}
-    w13 = _weight(ckpt, [mods["gate"], mods["up"]], roles, device)  # gate rows, then up rows
-    down = _weight(ckpt, [mods["down"]], roles, device)
+    w13 = _weight(ckpt, groups["w13"], roles, device, got.get("w13"))  # gate rows, then up rows
+    down = _weight(ckpt, groups["w2"], roles, device, got.get("w2"))
     w13_bias = w2_bias = None
     if spec.has_bias:
-        w13_bias = torch.cat([torch.stack([t[f"{m}.bias"].load() for m in mods[r]]) for r in ("gate", "up")], dim=-1)
-        w2_bias = torch.stack([t[f"{m}.bias"].load() for m in mods["down"]])
+        gate, up = groups["w13"]
+        w13_bias = torch.cat([torch.stack([t[f"{m}.bias"].load() for m in mods]) for mods in (gate, up)], dim=-1)
+        w2_bias = torch.stack([t[f"{m}.bias"].load() for m in groups["w2"][0]])
     return MoELayer(spec.key, w13, down, w13_bias, w2_bias)

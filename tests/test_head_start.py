@@ -1,0 +1,155 @@
+"""The head start (mxfp4conv/head_start.py): the first NVFP4 unit, read and requantized without torch
+while torch is imported, gives the bytes, statistics and errors of the ordinary path."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mxfp4conv import head_start, pipeline, units
+from mxfp4conv.errors import InputError, UsageError
+from mxfp4conv.formats.tables import E4M3_VALUES
+from mxfp4conv.job import direct_slices, prepare
+from tests.builders import Tensors, build, moe_checkpoint, quark_config
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_e4m3_table_is_torchs_decode_bit_for_bit() -> None:
+    ref = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    mine = torch.tensor(E4M3_VALUES, dtype=torch.float32)
+    nan = torch.isnan(ref)
+    assert torch.equal(nan, torch.isnan(mine)) and int(nan.sum()) == 2
+    assert torch.equal(ref[~nan].view(torch.int32), mine[~nan].view(torch.int32))  # -0.0 and subnormals too
+
+
+def test_the_head_start_imports_no_torch() -> None:
+    probe = "import sys, mxfp4conv.head_start; print('torch' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "False", res.stderr
+
+
+@pytest.mark.parametrize("layout", ["ct-nvfp4", "modelopt-nvfp4"])
+@pytest.mark.parametrize("target", ["ct", "quark"])
+def test_a_head_start_gives_the_ordinary_bytes_and_statistics(layout: str, target: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    src = build(layout, tmp_path / "src", layers=3, experts=4, hidden=128, inter=64)
+    reports = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv(head_start.ENV, mode)
+        reports[mode] = pipeline.convert(src, tmp_path / mode, pipeline.ConvertOptions(target=target, device="cpu"))
+    on, off = reports["on"], reports["off"]
+    assert on.compute is not None and off.compute is not None
+    assert on.compute["head_start"] == "model.layers.0.mlp.experts" and "head_start" not in off.compute
+    assert on.requant_stats == off.requant_stats and on.requant_stats
+    assert on.requantized_on == off.requantized_on == {"cpu": 3}
+    assert on.verify is not None and on.verify["ok"]
+    assert _tree(tmp_path / "on") == _tree(tmp_path / "off")  # shards, config, manifest
+
+
+def _with_dense(t: Tensors) -> None:
+    """Layer 0's q_proj in NVFP4 too: a dense unit."""
+    n, k = t.pop("model.layers.0.self_attn.q_proj.weight").shape
+    t.nvfp4("model.layers.0.self_attn.q_proj", n, k, packed="weight", global_scale="weight_scale_2", divisor=False,
+            input_scale="input_scale_2")
+
+
+def test_every_unit_kind_made_ahead_equals_the_ordinary_result(tmp_path: Path) -> None:
+    """Each NVFP4 unit of a checkpoint (moe and dense), made by the head start and taken by the pipeline,
+    equals the unit read and requantized as usual: outputs, statistics, and what the check compares."""
+    exclude = ["lm_head", "re:.*self_attn.(k|v|o)_proj.*", "re:.*mlp.gate$", "re:model.layers.1.self_attn.*"]
+
+    def expert(t: Tensors, module: str, n: int, k: int) -> None:
+        t.nvfp4(module, n, k, packed="weight", global_scale="weight_scale_2", divisor=False, input_scale="input_scale_2")
+
+    src = moe_checkpoint(tmp_path / "src", expert, quark_config(16, w4a4=True, exclude=exclude), experts=4, hidden=64,
+                         inter=32, extra=_with_dense)
+    job = prepare(src, pipeline.ConvertOptions(target="ct", device="cpu"))
+    specs = job.plan.units
+    kinds = set()
+    for spec in specs:
+        roles = job.layout.nvfp4_roles(spec)
+        if spec.kind not in ("moe", "dense") or direct_slices(spec, job.ckpt, job.target, job.ctx) is not None:
+            continue
+        hs = head_start.make(0, spec, job.ckpt, roles, job.opts.scale_rule, threads=3)
+        assert hs is not None
+        ahead = units._adopt(hs, spec, job, job.ctx, check=True)
+        usual = units._transform(spec, job, job.ctx, "cpu", True)
+        assert ahead.head_start and not usual.head_start
+        assert ahead.stats == usual.stats and ahead.device == usual.device == "cpu"
+        assert len(ahead.outs) == len(usual.outs)
+        for a, b in zip(ahead.outs, usual.outs, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        kinds.add(spec.kind)
+    assert kinds == {"moe", "dense"}
+
+
+def _nan_scale(src: Path, tensor: str) -> None:
+    """Set the first E4M3 block scale of ``tensor`` to 0x7F (NaN), in place in its shard."""
+    for shard in sorted(src.glob("*.safetensors")):
+        raw = shard.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        head: dict[str, Any] = json.loads(raw[8:8 + n])
+        if tensor in head:
+            at = 8 + n + head[tensor]["data_offsets"][0]
+            shard.write_bytes(raw[:at] + b"\x7f" + raw[at + 1:])
+            return
+    raise AssertionError(tensor)
+
+
+def test_an_invalid_first_unit_is_refused_with_the_ordinary_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel runs on a NaN scale (it is memory-safe on any input), yet nothing of it is taken: the
+    unit is validated once torch is there, and the error names the same tensor and file."""
+    src = build("ct-nvfp4", tmp_path / "src", layers=2, experts=4, hidden=128, inter=64)
+    bad = "model.layers.0.mlp.experts.2.up_proj.weight_scale"
+    _nan_scale(src, bad)
+    errors = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv(head_start.ENV, mode)
+        with pytest.raises(InputError) as exc:
+            pipeline.convert(src, tmp_path / mode, pipeline.ConvertOptions(target="ct", device="cpu"))
+        errors[mode] = str(exc.value)
+        assert not (tmp_path / mode).exists()
+    assert errors["on"] == errors["off"] and bad in errors["on"]
+
+
+def test_no_head_start_where_nothing_is_requantized_or_torch_is_there(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    mx = build("ct-mxfp4", tmp_path / "mx", layers=1, experts=4, hidden=128, inter=64)
+    monkeypatch.setenv(head_start.ENV, "on")
+    renamed = pipeline.convert(mx, tmp_path / "a", pipeline.ConvertOptions(target="quark"))
+    assert renamed.compute is None  # MXFP4: no requant, no head start
+    nv = build("modelopt-nvfp4", tmp_path / "nv", layers=1, experts=4, hidden=128, inter=64)
+    keep = pipeline.ConvertOptions(target="marlin", extra={"tp_size": "1", "engine": "vllm", "keep_nvfp4": "1"})
+    kept = pipeline.convert(nv, tmp_path / "b", keep)  # NVFP4 kept as is: nothing to make ahead
+    assert kept.compute is None or "head_start" not in kept.compute
+    monkeypatch.setenv(head_start.ENV, "auto")  # torch is imported in this process: auto takes none
+    assert not head_start.wanted()
+    report = pipeline.convert(nv, tmp_path / "c", pipeline.ConvertOptions(target="ct", device="cpu"))
+    assert report.compute is not None and "head_start" not in report.compute
+
+
+def test_a_bad_mode_is_a_usage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    nv = build("modelopt-nvfp4", tmp_path / "nv", layers=1, experts=4, hidden=128, inter=64)
+    monkeypatch.setenv(head_start.ENV, "sometimes")
+    with pytest.raises(UsageError, match="MXFP4CONV_HEAD_START"):
+        pipeline.convert(nv, tmp_path / "o", pipeline.ConvertOptions(target="ct", device="cpu"))
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_command_as_typed_takes_a_head_start(tmp_path: Path) -> None:
+    """A fresh process (torch not imported): the first NVFP4 unit is made while torch imports, and says so."""
+    src = build("modelopt-nvfp4", tmp_path / "src", layers=2, experts=4, hidden=128, inter=64)
+    res = subprocess.run([sys.executable, "-m", "mxfp4conv", "convert", str(src), str(tmp_path / "o"), "--to", "ct",
+                          "--device", "cpu", "--json"], capture_output=True, text=True, check=True)
+    report = json.loads(res.stdout)
+    assert report["compute"]["head_start"] == "model.layers.0.mlp.experts" and report["verify"]["ok"]
