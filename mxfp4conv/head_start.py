@@ -19,6 +19,7 @@ import ctypes
 import os
 import struct
 import sys
+import threading
 import time
 from array import array
 from concurrent.futures import ThreadPoolExecutor
@@ -119,15 +120,16 @@ def _addr(buf: bytearray | array) -> int:
 
 
 def make(index: int, spec: UnitSpec, ckpt: Checkpoint, roles: LinearRoles, rule: str,
-         threads: int | None = None) -> HeadStart | None:
+         threads: int | None = None, stop: threading.Event | None = None) -> HeadStart | None:
     """Read and requantize unit ``index`` (``spec``) without torch. None when it cannot be made here
-    (no compiled kernel; a global scale that is not one float32): the pipeline then reads and
-    requantizes it as any other unit. Read errors (a truncated file) propagate as ``InputError``."""
+    (no compiled kernel; a global scale that is not one float32) or ``stop`` was set meanwhile (the
+    conversion ended): the pipeline then reads and requantizes it as any other unit. Read errors (a
+    truncated file) propagate as ``InputError``."""
     try:
         kern = requant_native.load()
     except OSError:
         return None
-    if kern is None:
+    if kern is None or (stop is not None and stop.is_set()):
         return None
     t0 = time.perf_counter()
     weights: dict[str, RawWeight] = {}
@@ -166,8 +168,14 @@ def make(index: int, spec: UnitSpec, ckpt: Checkpoint, roles: LinearRoles, rule:
 
     def run(c: tuple[tuple[int, int, int, int], int, int, int, tuple[int, int, int]]) -> None:
         addrs, r0, r1, kh, outs = c
-        kern.rows(*addrs, r0, r1, kh, roles.global_is_divisor, rule, *outs)
+        if not halted():
+            kern.rows(*addrs, r0, r1, kh, roles.global_is_divisor, rule, *outs)
 
+    def halted() -> bool:
+        return stop is not None and stop.is_set()
+
+    if halted():
+        return None
     with ThreadPoolExecutor(max(1, min(n, len(calls))), thread_name_prefix="mxfp4conv-head") as pool:
         list(pool.map(run, calls))
-    return HeadStart(index, weights, t1 - t0, time.perf_counter() - t1)
+    return None if halted() else HeadStart(index, weights, t1 - t0, time.perf_counter() - t1)

@@ -9,6 +9,7 @@ the post-write check compares the unit's written bytes with (``UnitResult.want``
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -106,6 +107,53 @@ def _transform_on(unit: Any, spec: UnitSpec, job: Job, ctx: WriterContext, devic
     return UnitResult(outs, stats, t_read, time.perf_counter() - t1, want, device if stats else "")
 
 
+@dataclass
+class Head:
+    """A head start in flight (``start_head``): the unit it makes, its result to come, and whether the
+    conversion has taken it (a unit written for several ranks is taken once, then made as usual)."""
+
+    spec: UnitSpec
+    future: Future[HeadStart | None]
+    stop: threading.Event
+    taken: bool = False
+
+    def owns(self, spec: UnitSpec) -> bool:
+        return not self.taken and spec == self.spec
+
+    def take(self, spec: UnitSpec, job: Job, ctx: WriterContext, device: str, check: bool) -> UnitResult:
+        """The unit's result: the head start's, or, when it could not make the unit, made as usual."""
+        self.taken = True
+        hs = self.future.result()
+        if hs is None:
+            return _transform(spec, job, ctx, device, check)
+        return _adopt(hs, spec, job, ctx, check)
+
+    def cancel(self) -> None:
+        """Stop making the unit (between kernel calls) when the conversion ends without taking it."""
+        self.stop.set()
+
+
+def start_head(job: Job, order: list[UnitSpec]) -> Head | None:
+    """Start making the first unit of ``order`` the head start can make, on a thread of its own, when
+    ``head_start.wanted()`` (torch not imported yet) and the conversion requantizes; else None."""
+    try:
+        want = head_start.wanted()
+    except ValueError as exc:
+        raise UsageError(str(exc), hint=f"unset {head_start.ENV}") from exc
+    if not want or not needs_device(job.ctx):
+        return None
+    direct = [direct_slices(spec, job.ckpt, job.target, job.ctx) for spec in order]
+    first = head_start.first_unit(order, direct, job.layout)
+    if first is None:
+        return None
+    i, roles = first
+    stop = threading.Event()
+    starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4conv-head")
+    future = starter.submit(head_start.make, i, order[i], job.ckpt, roles, job.opts.scale_rule, stop=stop)
+    starter.shutdown(wait=False)  # its one thread ends with the unit
+    return Head(order[i], future, stop)
+
+
 def _adopt(hs: HeadStart, spec: UnitSpec, job: Job, ctx: WriterContext, check: bool) -> UnitResult:
     """The head-start unit's result: its stacks read as the layout reads them (validated as any unit's),
     its rows' results taken as requantized (on the CPU), its statistics folded (``head_start``)."""
@@ -149,19 +197,6 @@ def requant_on_device(unit: Canonical, rule: str, device: str) -> Canonical:
     return dataclasses.replace(unit, **changes)
 
 
-def _head_start_unit(units: list[UnitSpec], direct: list[list[FileSlice] | None], job: Job,
-                     ctx: WriterContext) -> tuple[int, Any] | None:
-    """The unit the head start makes, with the roles it is read by: the first NVFP4 unit of a
-    requantizing conversion, when ``head_start.wanted()``; else None."""
-    try:
-        want = head_start.wanted()
-    except ValueError as exc:
-        raise UsageError(str(exc), hint=f"unset {head_start.ENV}") from exc
-    if not want or not needs_device(ctx) or ctx.target_options.keep_nvfp4:
-        return None
-    return head_start.first_unit(units, direct, job.layout)
-
-
 def read_sizes(units: list[UnitSpec], direct: list[list[FileSlice] | None], ckpt: Checkpoint) -> list[int]:
     """Bytes each unit's read holds in memory: its source tensors', or 0 when the writer copies them
     (``direct``: each unit's ``direct_slices``)."""
@@ -189,41 +224,39 @@ def read_ahead(sizes: list[int], limit: int) -> list[int]:
     return upto
 
 
-def unit_results(units: list[UnitSpec], job: Job, ctx: WriterContext, check: bool) -> Iterator[UnitResult]:
-    """The units' results in order (see the module docstring)."""
+def unit_results(units: list[UnitSpec], job: Job, ctx: WriterContext, check: bool,
+                 head: Head | None = None) -> Iterator[UnitResult]:
+    """The units' results in order (see the module docstring); ``head``'s unit, the first time it comes,
+    is taken from the head start."""
     devs = devices(job.opts)
     if len(devs) == 1:
         direct = [direct_slices(spec, job.ckpt, job.target, ctx) for spec in units]
         sizes = read_sizes(units, direct, job.ckpt)
         upto = read_ahead(sizes, max(sizes, default=0))
-        first = _head_start_unit(units, direct, job, ctx)
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4conv-read") as reader, \
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4conv-head") as starter:
-            head: Future[HeadStart | None] | None = None
-            if first is not None:
-                head = starter.submit(head_start.make, first[0], units[first[0]], job.ckpt, first[1], job.opts.scale_rule)
+        mine = [head is not None and head.owns(spec) for spec in units]
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4conv-read") as reader:
             ahead: dict[int, Future[tuple[Any, float]]] = {}
             nxt = 0
             for i, spec in enumerate(units):
                 while nxt < upto[i]:
-                    if direct[nxt] is None and (first is None or nxt != first[0]):
+                    if direct[nxt] is None and not mine[nxt]:
                         ahead[nxt] = reader.submit(_read, units[nxt], job, ctx, devs[0])
                     nxt += 1
-                if head is not None and first is not None and i == first[0]:
-                    hs = head.result()
-                    head = None
-                    if hs is not None:
-                        yield _adopt(hs, spec, job, ctx, check)
-                        del hs
-                        continue
-                    ahead[i] = reader.submit(_read, spec, job, ctx, devs[0])  # it could not be made: as any unit
+                if mine[i]:
+                    assert head is not None
+                    yield head.take(spec, job, ctx, devs[0], check)
+                    continue
                 source = ahead.pop(i).result() if direct[i] is None else (direct[i], 0.0)
                 yield _transform(spec, job, ctx, devs[0], check, source)
         return
     with ThreadPoolExecutor(max_workers=len(devs), thread_name_prefix="mxfp4conv-unit") as pool:
         window: deque[Future[UnitResult]] = deque()
         for i, spec in enumerate(units):
-            window.append(pool.submit(_transform, spec, job, ctx, devs[i % len(devs)], check))
+            dev = devs[i % len(devs)]
+            if head is not None and head.owns(spec):
+                window.append(pool.submit(head.take, spec, job, ctx, dev, check))
+            else:
+                window.append(pool.submit(_transform, spec, job, ctx, dev, check))
             if len(window) >= len(devs):
                 yield window.popleft().result()
         while window:

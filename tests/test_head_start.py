@@ -3,6 +3,7 @@ while torch is imported, gives the bytes, statistics and errors of the ordinary 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from mxfp4conv import head_start, pipeline, units
-from mxfp4conv.errors import InputError, UsageError
+from mxfp4conv.errors import InputError, OutputError, UsageError
 from mxfp4conv.formats.tables import E4M3_VALUES
 from mxfp4conv.job import direct_slices, prepare
 from tests.builders import Tensors, build, moe_checkpoint, quark_config
@@ -38,18 +39,26 @@ def test_the_head_start_imports_no_torch() -> None:
     assert res.stdout.strip() == "False", res.stderr
 
 
-@pytest.mark.parametrize("layout", ["ct-nvfp4", "modelopt-nvfp4"])
-@pytest.mark.parametrize("target", ["ct", "quark"])
-def test_a_head_start_gives_the_ordinary_bytes_and_statistics(layout: str, target: str, tmp_path: Path,
+@pytest.mark.parametrize(("layout", "target", "shard"), [("ct-nvfp4", "ct", 0), ("modelopt-nvfp4", "ct", 0),
+                                                      ("modelopt-nvfp4", "quark", 0), ("ct-nvfp4", "ct", 300_000)])
+def test_a_head_start_gives_the_ordinary_bytes_and_statistics(layout: str, target: str, shard: int, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one shard the head start makes layer 0's experts; with a shard per layer (written at once,
+    their units interleaved) the first MoE unit of that order, whichever it is."""
     src = build(layout, tmp_path / "src", layers=3, experts=4, hidden=128, inter=64)
     reports = {}
     for mode in ("off", "on"):
         monkeypatch.setenv(head_start.ENV, mode)
-        reports[mode] = pipeline.convert(src, tmp_path / mode, pipeline.ConvertOptions(target=target, device="cpu"))
+        opts = pipeline.ConvertOptions(target=target, device="cpu")
+        if shard:
+            opts = dataclasses.replace(opts, max_shard_size=shard)
+        reports[mode] = pipeline.convert(src, tmp_path / mode, opts)
     on, off = reports["on"], reports["off"]
     assert on.compute is not None and off.compute is not None
-    assert on.compute["head_start"] == "model.layers.0.mlp.experts" and "head_start" not in off.compute
+    assert (len(on.shards) > 2) == bool(shard)
+    made = on.compute["head_start"]
+    assert made == "model.layers.0.mlp.experts" if not shard else made.endswith(".mlp.experts")
+    assert "head_start" not in off.compute
     assert on.requant_stats == off.requant_stats and on.requant_stats
     assert on.requantized_on == off.requantized_on == {"cpu": 3}
     assert on.verify is not None and on.verify["ok"]
@@ -153,3 +162,25 @@ def test_the_command_as_typed_takes_a_head_start(tmp_path: Path) -> None:
                           "--device", "cpu", "--json"], capture_output=True, text=True, check=True)
     report = json.loads(res.stdout)
     assert report["compute"]["head_start"] == "model.layers.0.mlp.experts" and report["verify"]["ok"]
+
+
+def test_a_conversion_that_ends_early_stops_its_head_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An existing DST (an output error) or a current output (skipped) ends the conversion after the head
+    start began: it stops between kernel calls and its thread ends; nothing is written."""
+    import threading
+
+    src = build("ct-nvfp4", tmp_path / "src", layers=2, experts=8, hidden=256, inter=128)
+    monkeypatch.setenv(head_start.ENV, "on")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep").write_text("x")
+    with pytest.raises(OutputError, match="already exists"):
+        pipeline.convert(src, tmp_path / "taken", pipeline.ConvertOptions(target="ct", device="cpu"))
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["keep"]
+    first = pipeline.convert(src, tmp_path / "out", pipeline.ConvertOptions(target="ct", device="cpu"))
+    assert first.compute is not None and first.compute["head_start"]
+    again = pipeline.convert(src, tmp_path / "out", pipeline.ConvertOptions(target="ct", device="cpu", skip_if_current=True))
+    assert again.status == "skipped"
+    for t in threading.enumerate():
+        if t.name.startswith("mxfp4conv-head"):
+            t.join(timeout=30)
+            assert not t.is_alive()
