@@ -109,21 +109,23 @@ def _transform_on(unit: Any, spec: UnitSpec, job: Job, ctx: WriterContext, devic
 
 @dataclass
 class Head:
-    """A head start in flight (``start_head``): the unit it makes, its result to come, and whether the
+    """A head start in flight (``start_head``): the unit it makes and its result to come, None once the
     conversion has taken it (a unit written for several ranks is taken once, then made as usual)."""
 
     spec: UnitSpec
-    future: Future[HeadStart | None]
+    future: Future[HeadStart | None] | None
     stop: threading.Event
-    taken: bool = False
 
     def owns(self, spec: UnitSpec) -> bool:
-        return not self.taken and spec == self.spec
+        return self.future is not None and spec == self.spec
 
     def take(self, spec: UnitSpec, job: Job, ctx: WriterContext, device: str, check: bool) -> UnitResult:
-        """The unit's result: the head start's, or, when it could not make the unit, made as usual."""
-        self.taken = True
-        hs = self.future.result()
+        """The unit's result: the head start's, or, when it could not make the unit, made as usual.
+        The head start's buffers are let go here: the source's once validated, the results' once written."""
+        future, self.future = self.future, None
+        assert future is not None
+        hs = future.result()
+        del future
         if hs is None:
             return _transform(spec, job, ctx, device, check)
         return _adopt(hs, spec, job, ctx, check)
