@@ -47,7 +47,7 @@ class RawWeight:
     ``[E*N, 5]``, as raw bytes."""
 
     shape: tuple[int, int, int]  # (E, N, K/2) of the packed stack
-    packed: bytearray
+    packed: bytearray | None  # None once requantized: only the scales are validated afterwards
     scales: bytearray
     out: bytearray
     scales_out: bytearray
@@ -67,8 +67,8 @@ class HeadStart:
     t_read: float
     t_transform: float
 
-    def stacks(self) -> dict[str, tuple[bytearray, bytearray]]:
-        """The source stacks, as ``read_split_unit(raw=...)`` takes them."""
+    def stacks(self) -> dict[str, tuple[bytearray | None, bytearray]]:
+        """The source stacks, as ``read_split_unit(raw=...)`` takes them (the codes let go: None)."""
         return {k: (w.packed, w.scales) for k, w in self.weights.items()}
 
 
@@ -151,8 +151,10 @@ def make(index: int, spec: UnitSpec, ckpt: Checkpoint, roles: LinearRoles, rule:
             return None
         w = RawWeight(shape, bytearray(r * kh), bytearray(r * kh // 8), bytearray(r * kh),
                       bytearray(r * kh // 16), bytearray(r * _ROW_STATS * 8))
-        read_many([(ref, memoryview(w.packed)[off:off + ref.nbytes]) for ref, off in at]
+        codes = memoryview(w.packed) if w.packed is not None else memoryview(b"")
+        read_many([(ref, codes[off:off + ref.nbytes]) for ref, off in at]
                   + [(ref, memoryview(w.scales)[off:off + ref.nbytes]) for ref, off in sat])
+        del codes
         weights[label] = w
         grows[label] = g
     t1 = time.perf_counter()
@@ -162,6 +164,7 @@ def make(index: int, spec: UnitSpec, ckpt: Checkpoint, roles: LinearRoles, rule:
     for label, w in weights.items():
         kh = w.shape[2]
         step = max(1, -(-w.rows // (4 * n)))  # few, large calls: each takes the GIL the import holds
+        assert w.packed is not None
         addrs = (_addr(w.packed), _addr(w.scales), _addr(lut), _addr(grows[label]))
         outs = (_addr(w.out), _addr(w.scales_out), _addr(w.row_stats))
         calls += [(addrs, r0, min(w.rows, r0 + step), kh, outs) for r0 in range(0, w.rows, step)]
@@ -178,4 +181,6 @@ def make(index: int, spec: UnitSpec, ckpt: Checkpoint, roles: LinearRoles, rule:
         return None
     with ThreadPoolExecutor(max(1, min(n, len(calls))), thread_name_prefix="mxfp4conv-head") as pool:
         list(pool.map(run, calls))
+    for w in weights.values():
+        w.packed = None  # the codes are requantized: their memory (most of the unit's) goes now, not once it is taken
     return None if halted() else HeadStart(index, weights, t1 - t0, time.perf_counter() - t1)

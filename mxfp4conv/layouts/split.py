@@ -251,13 +251,14 @@ def weight_refs(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles) -
 
 
 def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, device: str | None = None,
-            raw: tuple[bytearray, bytearray] | None = None) -> FP4Weight:
+            raw: tuple[bytearray | None, bytearray] | None = None) -> FP4Weight:
     """The FP4 tensors of ``groups`` of modules: module e of every group stacked as ``[E, ...]`` and
     the groups concatenated along the rows (gate then up: w13). Bytes are read straight into the
     result (no per-module tensors, no stack or cat copies); block scales are checked once, on the
     whole result, and a NaN is then traced back to its source tensor. ``device``: a CUDA device that
     NVFP4 stacks are read onto (they are requantized there; the global scales stay on the host).
-    ``raw``: the packed and scale stacks' bytes, read already (the head start)."""
+    ``raw``: the packed and scale stacks' bytes, read already (the head start); packed None: codes its
+    kernel has requantized and let go, a meta tensor of their shape (no data to read by mistake)."""
     import torch
 
     from mxfp4conv.formats.fp4 import e4m3_has_nan
@@ -265,7 +266,10 @@ def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, devic
     t = ckpt.tensors
     prefs, srefs, num, rows = weight_refs(ckpt, groups, roles)
     onto = device if roles.quant == "nvfp4" else None
-    packed = _stack_into(ckpt, prefs, num, rows, onto, None if raw is None else raw[0])
+    if raw is not None and raw[0] is None:
+        packed = torch.empty(stack_plan(ckpt, prefs, num, rows)[0], dtype=torch.uint8, device="meta")
+    else:
+        packed = _stack_into(ckpt, prefs, num, rows, onto, None if raw is None else raw[0])
     scales = _stack_into(ckpt, srefs, num, rows, onto, None if raw is None else raw[1])
     if roles.scale_dtype == "F8_E4M3":
         if e4m3_has_nan(scales):
@@ -353,7 +357,7 @@ def _checked_global(ckpt: Checkpoint, ref: TensorRef) -> torch.Tensor:
 
 
 def read_split_unit(ckpt: Checkpoint, spec: UnitSpec, roles: LinearRoles, *, device: str | None = None,
-                    raw: dict[str, tuple[bytearray, bytearray]] | None = None) -> Canonical:
+                    raw: dict[str, tuple[bytearray | None, bytearray]] | None = None) -> Canonical:
     """One unit's tensors in canonical form; ``device``: the CUDA device its NVFP4 stacks are read onto;
     ``raw``: its weights' packed and scale stacks read already, by ``unit_groups`` name (the head start)."""
     import torch
