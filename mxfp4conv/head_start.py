@@ -4,7 +4,8 @@ A fresh process spends seconds importing torch (1.5 s on 2 cores, ~4 s on a GPU 
 that needs torch runs before it ends. Meanwhile this module reads the first NVFP4 unit's stacks into
 plain buffers (``preadv``, the same layout as ``layouts/split.py``) and requantizes them with the
 compiled CPU kernel (``kernels/requant_native``: ctypes, which releases the GIL) on worker threads.
-Once torch is there, the pipeline (``units.py``) takes the bytes in place (``torch.frombuffer``),
+The source codes are let go as soon as they are requantized (the unit's validation needs only its
+scales). Once torch is there, the pipeline (``units.py``) takes the bytes in place (``torch.frombuffer``),
 validates the source as for any unit (an invalid one is refused with the same error; the kernel is
 memory-safe on any input) and folds the statistics from the kernel's row statistics: the unit's bytes
 and statistics are the ones the CPU path makes, which the GPU's kernel matches byte for byte.
@@ -149,13 +150,11 @@ def make(index: int, spec: UnitSpec, ckpt: Checkpoint, roles: LinearRoles, rule:
         r, kh = shape[0] * shape[1], shape[2]
         if kh * 2 % _MX_BLOCK or sshape[2] * 8 != kh:
             return None
-        w = RawWeight(shape, bytearray(r * kh), bytearray(r * kh // 8), bytearray(r * kh),
-                      bytearray(r * kh // 16), bytearray(r * _ROW_STATS * 8))
-        codes = memoryview(w.packed) if w.packed is not None else memoryview(b"")
-        read_many([(ref, codes[off:off + ref.nbytes]) for ref, off in at]
-                  + [(ref, memoryview(w.scales)[off:off + ref.nbytes]) for ref, off in sat])
-        del codes
-        weights[label] = w
+        packed, scales = bytearray(r * kh), bytearray(r * kh // 8)
+        read_many([(ref, memoryview(packed)[off:off + ref.nbytes]) for ref, off in at]
+                  + [(ref, memoryview(scales)[off:off + ref.nbytes]) for ref, off in sat])
+        weights[label] = RawWeight(shape, packed, scales, bytearray(r * kh), bytearray(r * kh // 16),
+                                   bytearray(r * _ROW_STATS * 8))
         grows[label] = g
     t1 = time.perf_counter()
     lut = array("f", E4M3_VALUES)
