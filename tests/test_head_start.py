@@ -65,6 +65,21 @@ def test_a_head_start_gives_the_ordinary_bytes_and_statistics(layout: str, targe
     assert _tree(tmp_path / "on") == _tree(tmp_path / "off")  # shards, config, manifest
 
 
+def test_a_head_start_unit_written_for_two_ranks_is_taken_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Marlin with --tp-size 2 writes each unit once per rank folder: the first rank takes the head
+    start's unit, the second makes it as usual; both ranks' bytes equal a run without a head start."""
+    src = build("modelopt-nvfp4", tmp_path / "src", layers=2, experts=4, hidden=256, inter=256)
+    opts = pipeline.ConvertOptions(target="marlin", extra={"tp_size": "2", "engine": "vllm"})
+    reports = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv(head_start.ENV, mode)
+        reports[mode] = pipeline.convert(src, tmp_path / mode, opts)
+    assert reports["on"].compute is not None and reports["on"].compute["head_start"] == "model.layers.0.mlp.experts"
+    assert reports["on"].requantized_on == reports["off"].requantized_on == {"cpu": 4}
+    assert (tmp_path / "on" / "rank-1").is_dir()
+    assert _tree(tmp_path / "on") == _tree(tmp_path / "off")
+
+
 def _with_dense(t: Tensors) -> None:
     """Layer 0's q_proj in NVFP4 too: a dense unit."""
     n, k = t.pop("model.layers.0.self_attn.q_proj.weight").shape
