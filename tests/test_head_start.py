@@ -199,3 +199,19 @@ def test_a_conversion_that_ends_early_stops_its_head_start(tmp_path: Path, monke
         if t.name.startswith("mxfp4conv-head"):
             t.join(timeout=30)
             assert not t.is_alive()
+
+
+def test_runs_that_write_only_some_shards_take_no_head_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--partition, --finish and --resume may never write the head start's unit: none is made, and
+    the partitions still add up to one run's bytes."""
+    src = build("ct-nvfp4", tmp_path / "src", layers=3, experts=4, hidden=128, inter=64)
+    monkeypatch.setenv(head_start.ENV, "on")
+    base = pipeline.ConvertOptions(target="ct", device="cpu", max_shard_size=300_000)
+    one = pipeline.convert(src, tmp_path / "one", base)
+    assert one.compute is not None and one.compute["head_start"]
+    for i in range(2):
+        part = pipeline.convert(src, tmp_path / "multi", dataclasses.replace(base, partition=(i, 2)))
+        assert part.status == "partial" and part.compute is not None and "head_start" not in part.compute
+    done = pipeline.convert(src, tmp_path / "multi", dataclasses.replace(base, finish=True))
+    assert done.compute is not None and "head_start" not in done.compute
+    assert _tree(tmp_path / "one") == _tree(tmp_path / "multi")
