@@ -37,7 +37,7 @@ from mxfp4conv.layouts.split import LinearRoles, stack_plan, unit_groups, weight
 __all__ = ["HeadStart", "RawWeight", "first_unit", "make", "mode", "torch_pending", "wanted"]
 
 ENV = "MXFP4CONV_HEAD_START"
-_MX_BLOCK = 32
+_MX_BLOCK = 32  # formats.mxfp4.MX_BLOCK (that module imports torch)
 _ROW_STATS = 5  # float64 columns of the kernel's row statistics (requant.ROW_STATS)
 
 
@@ -61,9 +61,8 @@ class RawWeight:
 
 @dataclass
 class HeadStart:
-    """The head-start unit: its index in the plan, its weights by ``unit_groups`` name, busy seconds."""
+    """The head-start unit: its weights by ``unit_groups`` name, and busy seconds."""
 
-    index: int
     weights: dict[str, RawWeight]
     t_read: float
     t_transform: float
@@ -120,9 +119,9 @@ def _addr(buf: bytearray | array) -> int:
     return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)) if len(buf) else 0
 
 
-def make(index: int, spec: UnitSpec, ckpt: Checkpoint, roles: LinearRoles, rule: str,
+def make(spec: UnitSpec, ckpt: Checkpoint, roles: LinearRoles, rule: str,
          threads: int | None = None, stop: threading.Event | None = None) -> HeadStart | None:
-    """Read and requantize unit ``index`` (``spec``) without torch. None when it cannot be made here
+    """Read and requantize the unit ``spec`` without torch. None when it cannot be made here
     (no compiled kernel; a global scale that is not one float32) or ``stop`` was set meanwhile (the
     conversion ended): the pipeline then reads and requantizes it as any other unit. Read errors (a
     truncated file) propagate as ``InputError``."""
@@ -182,4 +181,4 @@ def make(index: int, spec: UnitSpec, ckpt: Checkpoint, roles: LinearRoles, rule:
         list(pool.map(run, calls))
     for w in weights.values():
         w.packed = None  # the codes are requantized: their memory (most of the unit's) goes now, not once it is taken
-    return None if halted() else HeadStart(index, weights, t1 - t0, time.perf_counter() - t1)
+    return None if halted() else HeadStart(weights, t1 - t0, time.perf_counter() - t1)

@@ -151,7 +151,7 @@ def start_head(job: Job, order: list[UnitSpec]) -> Head | None:
     i, roles = first
     stop = threading.Event()
     starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4conv-head")
-    future = starter.submit(head_start.make, i, order[i], job.ckpt, roles, job.opts.scale_rule, stop=stop)
+    future = starter.submit(head_start.make, order[i], job.ckpt, roles, job.opts.scale_rule, stop=stop)
     starter.shutdown(wait=False)  # its one thread ends with the unit
     return Head(order[i], future, stop)
 

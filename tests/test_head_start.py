@@ -104,7 +104,7 @@ def test_every_unit_kind_made_ahead_equals_the_ordinary_result(tmp_path: Path) -
         roles = job.layout.nvfp4_roles(spec)
         if spec.kind not in ("moe", "dense") or direct_slices(spec, job.ckpt, job.target, job.ctx) is not None:
             continue
-        hs = head_start.make(0, spec, job.ckpt, roles, job.opts.scale_rule, threads=3)
+        hs = head_start.make(spec, job.ckpt, roles, job.opts.scale_rule, threads=3)
         assert hs is not None
         ahead = units._adopt(hs, spec, job, job.ctx, check=True)
         usual = units._transform(spec, job, job.ctx, "cpu", True)
