@@ -134,6 +134,7 @@ def make(spec: UnitSpec, ckpt: Checkpoint, roles: LinearRoles, rule: str,
     t0 = time.perf_counter()
     weights: dict[str, RawWeight] = {}
     grows: dict[str, array] = {}
+    reads: list[tuple[Any, memoryview]] = []  # the whole unit in one call: its tensors lie together in a shard
     for label, groups in unit_groups(spec).items():
         prefs, srefs, num, rows = weight_refs(ckpt, groups, roles)
         shape, at = stack_plan(ckpt, prefs, num, rows)
@@ -150,11 +151,13 @@ def make(spec: UnitSpec, ckpt: Checkpoint, roles: LinearRoles, rule: str,
         if kh * 2 % _MX_BLOCK or sshape[2] * 8 != kh:
             return None
         packed, scales = bytearray(r * kh), bytearray(r * kh // 8)
-        read_many([(ref, memoryview(packed)[off:off + ref.nbytes]) for ref, off in at]
-                  + [(ref, memoryview(scales)[off:off + ref.nbytes]) for ref, off in sat])
+        reads += [(ref, memoryview(packed)[off:off + ref.nbytes]) for ref, off in at]
+        reads += [(ref, memoryview(scales)[off:off + ref.nbytes]) for ref, off in sat]
         weights[label] = RawWeight(shape, packed, scales, bytearray(r * kh), bytearray(r * kh // 16),
                                    bytearray(r * _ROW_STATS * 8))
         grows[label] = g
+    read_many(reads)
+    del reads
     t1 = time.perf_counter()
     lut = array("f", E4M3_VALUES)
     n = threads or int(os.environ.get("MXFP4CONV_CPU_THREADS", "0")) or len(os.sched_getaffinity(0))

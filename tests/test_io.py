@@ -63,6 +63,76 @@ def test_read_many_short_file_names_file_and_tensor(tmp_path: Path, monkeypatch:
     assert exc.value.tensor == "big" and str(path) in str(exc.value.file)
 
 
+def _many(n: int, size: int, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i:03d}": torch.randint(0, 256, (size + i,), generator=g, dtype=torch.uint8) for i in range(n)}
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_neighbouring_tensors_are_read_in_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    """Tensors that follow each other in a file go in one scatter read (capped by READ_PIECE and
+    MAX_IOV; a tensor longer than READ_PIECE is cut), into destinations in any order: the bytes
+    are the safetensors library's."""
+    path = tmp_path / "a.safetensors"
+    want = _many(40, 1000)
+    save_file(want, str(path))
+    monkeypatch.setattr(sio, "READ_PIECE", 5000)
+    monkeypatch.setattr(sio, "MAX_IOV", 3)
+    monkeypatch.setattr(sio, "READ_THREADS", threads)
+    refs, _ = sio.read_header(path)
+    order = sorted(refs, key=lambda n: -refs[n].begin)  # destinations asked for back to front
+    items = [(refs[n], memoryview(bytearray(refs[n].nbytes)), 0) for n in order]
+    runs = sio.runs(items)
+    spans = [(r[0][0].begin + r[0][2], sum(len(p[1]) for p in r)) for r in runs]
+    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:], strict=False))  # file order
+    assert all(len(r) <= 3 and sum(len(p[1]) for p in r) <= 5000 for r in runs)
+    assert len(runs) < len(items) and max(len(r) for r in runs) > 1
+    for r in runs:  # each run is contiguous in the file
+        assert all(a[0].begin + a[2] + len(a[1]) == b[0].begin + b[2] for a, b in zip(r, r[1:], strict=False))
+    sio.read_parts(items)
+    for n, (ref, buf, _) in zip(order, items, strict=True):
+        assert bytes(buf) == want[n].numpy().tobytes(), n
+    big = torch.randint(0, 256, (12_345,), dtype=torch.uint8)
+    save_file({"big": big}, str(tmp_path / "b.safetensors"))
+    ref = sio.read_header(tmp_path / "b.safetensors")[0]["big"]
+    assert [len(p[1]) for r in sio.runs([(ref, memoryview(bytearray(ref.nbytes)), 0)]) for p in r] == [5000, 5000, 2345]
+
+
+def test_a_run_that_ends_early_names_the_tensor_it_ended_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "a.safetensors"
+    save_file(_many(10, 1000), str(path))
+    refs, _ = sio.read_header(path)
+    monkeypatch.setattr(sio, "READ_PIECE", 1 << 20)
+    names = sorted(refs, key=lambda n: refs[n].begin)
+    cut = refs[names[6]]
+    with open(path, "r+b") as fh:  # the file shrinks after its header was read, inside the 7th tensor
+        fh.truncate(cut.begin + 10)
+    items = [(refs[n], memoryview(bytearray(refs[n].nbytes))) for n in names]
+    assert len(sio.runs([(r, b, 0) for r, b in items])) == 1
+    with pytest.raises(InputError) as exc:
+        sio.read_many(items)
+    assert exc.value.tensor == cut.name and str(path) in str(exc.value.file)
+
+
+def test_tensors_that_read_themselves_are_read_one_by_one(tmp_path: Path) -> None:
+    """A TensorRef subclass with a read of its own is never folded into another's scatter read."""
+    path = tmp_path / "a.safetensors"
+    save_file(_many(4, 100), str(path))
+    refs, _ = sio.read_header(path)
+
+    class Own(sio.TensorRef):
+        def read_part(self, buf: memoryview, offset: int) -> None:
+            buf[:] = b"\x07" * len(buf)
+
+    names = sorted(refs, key=lambda n: refs[n].begin)
+    mine = [Own(**{k: getattr(refs[n], k) for k in ("file", "name", "dtype", "shape", "begin", "end")}) if i % 2 else refs[n]
+            for i, n in enumerate(names)]
+    items = [(r, memoryview(bytearray(r.nbytes))) for r in mine]
+    assert all(len(run) == 1 for run in sio.runs([(r, b, 0) for r, b in items]))
+    sio.read_many(items)
+    assert all((bytes(b) == b"\x07" * len(b)) == isinstance(r, Own) for r, b in items)
+
+
 def test_stream_returns_before_the_hash_and_fsync_and_resolves_to_the_sha256(tmp_path: Path) -> None:
     """Two shards under one tiny budget (items larger than it pass one at a time): both futures
     resolve to their files' sha256 and the files load in the safetensors library."""

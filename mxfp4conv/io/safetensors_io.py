@@ -52,6 +52,7 @@ __all__ = [  # and DTYPES, built lazily by the module __getattr__
     "read_header",
     "read_many",
     "read_parts",
+    "runs",
     "stream_safetensors",
     "tensor_view",
 ]
@@ -309,14 +310,73 @@ def read_many(items: list[tuple[TensorRef, memoryview]]) -> None:
 
 
 def read_parts(items: list[tuple[TensorRef, memoryview, int]]) -> None:
-    """Read each ``(tensor, buffer, offset)``: the tensor's bytes ``[offset, offset + len(buffer))``,
-    in pieces of at most READ_PIECE bytes on the shared pool."""
-    pieces = [(ref, buf[off:off + READ_PIECE], at + off) for ref, buf, at in items for off in range(0, len(buf), READ_PIECE)]
-    if len(pieces) <= 1 or READ_THREADS == 1:
-        for ref, part, off in pieces:
-            ref.read_part(part, off)
+    """Read each ``(tensor, buffer, offset)``: the tensor's bytes ``[offset, offset + len(buffer))``.
+    Ranges that follow each other in a file are read by one scatter ``preadv`` (``runs``): a unit's
+    tensors lie next to each other in its shard, and one call per tensor was ~3 syscalls and several
+    GIL hand-offs each, 1,536 times per Qwen3-30B-A3B layer. Runs of at most READ_PIECE bytes go to
+    the shared pool."""
+    todo = runs(items)
+    if len(todo) <= 1 or READ_THREADS == 1:
+        for run in todo:
+            _read_run(run)
     else:
-        list(_pool().map(lambda p: p[0].read_part(p[1], p[2]), pieces))
+        list(_pool().map(_read_run, todo))
+
+
+# At most this many buffers per preadv (Linux's IOV_MAX is 1024).
+MAX_IOV = 512
+
+
+def runs(items: list[tuple[TensorRef, memoryview, int]]) -> list[list[tuple[TensorRef, memoryview, int]]]:
+    """``items`` (see ``read_parts``) as runs: each run's parts follow one another in one file, with
+    at most READ_PIECE bytes and MAX_IOV parts per run (a part longer than READ_PIECE is cut)."""
+    parts = sorted(((ref, buf[o:o + READ_PIECE], at + o) for ref, buf, at in items if len(buf)
+                    for o in range(0, len(buf), READ_PIECE)), key=lambda p: (str(p[0].file), p[0].begin + p[2]))
+    out: list[list[tuple[TensorRef, memoryview, int]]] = []
+    size = 0
+    for p in parts:
+        if out:
+            last = out[-1][-1]
+            if (last[0].file == p[0].file and last[0].begin + last[2] + len(last[1]) == p[0].begin + p[2]
+                    and size + len(p[1]) <= READ_PIECE and len(out[-1]) < MAX_IOV
+                    and _plain(last[0]) and _plain(p[0])):
+                out[-1].append(p)
+                size += len(p[1])
+                continue
+        out.append([p])
+        size = len(p[1])
+    return out
+
+
+def _plain(ref: TensorRef) -> bool:
+    """Whether the tensor is read from its file as ``TensorRef`` reads (not by a subclass of its own)."""
+    return type(ref).read_part is TensorRef.read_part
+
+
+def _read_run(run: list[tuple[TensorRef, memoryview, int]]) -> None:
+    """One run (``runs``): a scatter read from its file, looped over short reads; a read that ends
+    early (the file shrank under us) raises ``InputError`` naming the file and the tensor it ended in."""
+    first = run[0][0]
+    if len(run) == 1:
+        first.read_part(run[0][1], run[0][2])
+        return
+    fd = os.open(first.file, os.O_RDONLY)
+    try:
+        pos = first.begin + run[0][2]
+        i, into = 0, 0  # the part being filled, and how far
+        while i < len(run):
+            bufs = [run[i][1][into:]] + [p[1] for p in run[i + 1:]]
+            got = os.preadv(fd, bufs, pos)  # a short read is legal: loop
+            if got <= 0:
+                raise InputError("file ended inside the tensor's data (truncated shard?)",
+                                 file=str(first.file), tensor=run[i][0].name, hint="download the shard again")
+            pos += got
+            while i < len(run) and got >= len(run[i][1]) - into:
+                got -= len(run[i][1]) - into
+                i, into = i + 1, 0
+            into += got
+    finally:
+        os.close(fd)
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:

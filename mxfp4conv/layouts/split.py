@@ -251,17 +251,18 @@ def weight_refs(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles) -
 
 
 def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, device: str | None = None,
-            raw: tuple[bytearray | None, bytearray] | None = None) -> FP4Weight:
+            raw: tuple[bytearray | None, bytearray] | None = None,
+            reads: list[tuple[TensorRef, memoryview]] | None = None) -> FP4Weight:
     """The FP4 tensors of ``groups`` of modules: module e of every group stacked as ``[E, ...]`` and
     the groups concatenated along the rows (gate then up: w13). Bytes are read straight into the
     result (no per-module tensors, no stack or cat copies); block scales are checked once, on the
     whole result, and a NaN is then traced back to its source tensor. ``device``: a CUDA device that
     NVFP4 stacks are read onto (they are requantized there; the global scales stay on the host).
     ``raw``: the packed and scale stacks' bytes, read already (the head start); packed None: codes its
-    kernel has requantized and let go, a meta tensor of their shape (no data to read by mistake)."""
+    kernel has requantized and let go, a meta tensor of their shape (no data to read by mistake).
+    ``reads``: host reads are queued there instead of made, and the scales are checked by the caller
+    once they are (``_checked_scales``), so that a unit's weights are read in one call."""
     import torch
-
-    from mxfp4conv.formats.fp4 import e4m3_has_nan
 
     t = ckpt.tensors
     prefs, srefs, num, rows = weight_refs(ckpt, groups, roles)
@@ -269,13 +270,10 @@ def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, devic
     if raw is not None and raw[0] is None:
         packed = torch.empty(stack_plan(ckpt, prefs, num, rows)[0], dtype=torch.uint8, device="meta")
     else:
-        packed = _stack_into(ckpt, prefs, num, rows, onto, None if raw is None else raw[0])
-    scales = _stack_into(ckpt, srefs, num, rows, onto, None if raw is None else raw[1])
-    if roles.scale_dtype == "F8_E4M3":
-        if e4m3_has_nan(scales):
-            for ref in srefs:
-                _checked_scale(ckpt, ref, roles)
-        scales = scales.view(torch.float8_e4m3fn)
+        packed = _stack_into(ckpt, prefs, num, rows, onto, None if raw is None else raw[0], reads)
+    scales = _stack_into(ckpt, srefs, num, rows, onto, None if raw is None else raw[1], reads)
+    if reads is None:
+        scales = _checked_scales(ckpt, srefs, roles, scales)
     global_rows = None
     if roles.global_scale:
         parts = []
@@ -284,6 +282,21 @@ def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, devic
             parts.append(gs[:, None].expand(-1, n))
         global_rows = torch.cat(parts, dim=1).contiguous()
     return FP4Weight(roles.quant, packed, scales, global_rows, roles.global_is_divisor)  # type: ignore[arg-type]
+
+
+def _checked_scales(ckpt: Checkpoint, srefs: list[TensorRef], roles: LinearRoles, scales: torch.Tensor) -> torch.Tensor:
+    """A weight's block scales as read: a NaN E4M3 scale is traced back to its source tensor; E4M3
+    bytes are viewed as ``float8_e4m3fn``."""
+    import torch
+
+    from mxfp4conv.formats.fp4 import e4m3_has_nan
+
+    if roles.scale_dtype != "F8_E4M3":
+        return scales
+    if e4m3_has_nan(scales):
+        for ref in srefs:
+            _checked_scale(ckpt, ref, roles)
+    return scales.view(torch.float8_e4m3fn)
 
 
 def stack_plan(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[int]) -> tuple[tuple[int, int, int], list[tuple[TensorRef, int]]]:
@@ -310,10 +323,11 @@ def stack_plan(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[int
 
 
 def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[int], device: str | None,
-                raw: bytearray | None = None) -> torch.Tensor:
+                raw: bytearray | None = None, reads: list[tuple[TensorRef, memoryview]] | None = None) -> torch.Tensor:
     """uint8 ``[num, sum(rows), cols]`` from 2-D one-byte tensors (``stack_plan``). On ``device``
     (CUDA) when given, read there through small pinned buffers (``io/device_read``); ``raw``: the
-    stack's bytes, read already (the head start), used in place."""
+    stack's bytes, read already (the head start), used in place; ``reads``: a host stack's reads
+    are queued there, not made."""
     import torch
 
     shape, at = stack_plan(ckpt, refs, num, rows)
@@ -328,7 +342,11 @@ def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[in
         read_to_device(at, out)
     else:
         flat = tensor_view(out.view(-1)) if out.numel() else memoryview(b"")
-        read_many([(ref, flat[off:off + ref.nbytes]) for ref, off in at])  # every tensor, in parallel pieces
+        todo = [(ref, flat[off:off + ref.nbytes]) for ref, off in at]
+        if reads is None:
+            read_many(todo)  # every tensor, in parallel runs
+        else:
+            reads += todo
     return out
 
 
@@ -373,8 +391,16 @@ def read_split_unit(ckpt: Checkpoint, spec: UnitSpec, roles: LinearRoles, *, dev
                         w.global_is_divisor)
         bias = t[f"{spec.key}.bias"].load() if spec.has_bias else None
         return DenseFP4(spec.key, one, bias)
-    w13 = _weight(ckpt, groups["w13"], roles, device, got.get("w13"))  # gate rows, then up rows
-    down = _weight(ckpt, groups["w2"], roles, device, got.get("w2"))
+    # host stacks are read in one call: the unit's tensors follow each other in its shard, and
+    # ranges next to each other are read together (``safetensors_io.runs``)
+    reads: list[tuple[TensorRef, memoryview]] | None = [] if device is None and raw is None else None
+    w13 = _weight(ckpt, groups["w13"], roles, device, got.get("w13"), reads)  # gate rows, then up rows
+    down = _weight(ckpt, groups["w2"], roles, device, got.get("w2"), reads)
+    if reads is not None:
+        read_many(reads)
+        del reads
+        w13 = dataclasses.replace(w13, scales=_checked_scales(ckpt, weight_refs(ckpt, groups["w13"], roles)[1], roles, w13.scales))
+        down = dataclasses.replace(down, scales=_checked_scales(ckpt, weight_refs(ckpt, groups["w2"], roles)[1], roles, down.scales))
     w13_bias = w2_bias = None
     if spec.has_bias:
         gate, up = groups["w13"]
