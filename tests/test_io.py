@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import threading
 import time
@@ -84,13 +85,13 @@ def test_neighbouring_tensors_are_read_in_runs(tmp_path: Path, monkeypatch: pyte
     items = [(refs[n], memoryview(bytearray(refs[n].nbytes)), 0) for n in order]
     runs = sio.runs(items)
     spans = [(r[0][0].begin + r[0][2], sum(len(p[1]) for p in r)) for r in runs]
-    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:], strict=False))  # file order
+    assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(spans))  # file order
     assert all(len(r) <= 3 and sum(len(p[1]) for p in r) <= 5000 for r in runs)
     assert len(runs) < len(items) and max(len(r) for r in runs) > 1
     for r in runs:  # each run is contiguous in the file
-        assert all(a[0].begin + a[2] + len(a[1]) == b[0].begin + b[2] for a, b in zip(r, r[1:], strict=False))
+        assert all(a[0].begin + a[2] + len(a[1]) == b[0].begin + b[2] for a, b in itertools.pairwise(r))
     sio.read_parts(items)
-    for n, (ref, buf, _) in zip(order, items, strict=True):
+    for n, (_, buf, _) in zip(order, items, strict=True):
         assert bytes(buf) == want[n].numpy().tobytes(), n
     big = torch.randint(0, 256, (12_345,), dtype=torch.uint8)
     save_file({"big": big}, str(tmp_path / "b.safetensors"))
