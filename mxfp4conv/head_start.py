@@ -17,6 +17,7 @@ yet), ``on``, ``off``.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import struct
 import sys
@@ -32,7 +33,7 @@ from mxfp4conv.formats.tables import E4M3_VALUES
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.io.safetensors_io import read_many
 from mxfp4conv.kernels import requant_native
-from mxfp4conv.layouts.split import LinearRoles, stack_plan, unit_groups, weight_refs
+from mxfp4conv.layouts.split import LinearRoles, RawBytes, stack_plan, unit_groups, weight_refs
 
 __all__ = ["HeadStart", "RawWeight", "first_unit", "make", "mode", "torch_pending", "wanted"]
 
@@ -48,11 +49,11 @@ class RawWeight:
     ``[E*N, 5]``, as raw bytes."""
 
     shape: tuple[int, int, int]  # (E, N, K/2) of the packed stack
-    packed: bytearray | None  # None once requantized: only the scales are validated afterwards
-    scales: bytearray
-    out: bytearray
-    scales_out: bytearray
-    row_stats: bytearray
+    packed: RawBytes | None  # None once requantized: only the scales are validated afterwards
+    scales: RawBytes
+    out: RawBytes
+    scales_out: RawBytes
+    row_stats: RawBytes
 
     @property
     def rows(self) -> int:
@@ -67,7 +68,7 @@ class HeadStart:
     t_read: float
     t_transform: float
 
-    def stacks(self) -> dict[str, tuple[bytearray | None, bytearray]]:
+    def stacks(self) -> dict[str, tuple[RawBytes | None, RawBytes]]:
         """The source stacks, as ``read_split_unit(raw=...)`` takes them (the codes let go: None)."""
         return {k: (w.packed, w.scales) for k, w in self.weights.items()}
 
@@ -113,7 +114,14 @@ def _global(ckpt: Checkpoint, name: str) -> float | None:
     return float(struct.unpack("<f", ref.read_bytes())[0])
 
 
-def _addr(buf: bytearray | array) -> int:
+def _buffer(n: int) -> RawBytes:
+    """``n`` bytes for a stack or a result: an anonymous mapping, whose pages are zeroed as the reader
+    and kernel threads first write them (GIL released), where a bytearray would be zeroed here, all
+    at once, holding the GIL the import of torch needs."""
+    return mmap.mmap(-1, n) if n else bytearray()
+
+
+def _addr(buf: RawBytes | array) -> int:
     if isinstance(buf, array):
         return int(buf.buffer_info()[0])
     return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)) if len(buf) else 0
@@ -150,11 +158,11 @@ def make(spec: UnitSpec, ckpt: Checkpoint, roles: LinearRoles, rule: str,
         r, kh = shape[0] * shape[1], shape[2]
         if kh * 2 % _MX_BLOCK or sshape[2] * 8 != kh:
             return None
-        packed, scales = bytearray(r * kh), bytearray(r * kh // 8)
+        packed, scales = _buffer(r * kh), _buffer(r * kh // 8)
         reads += [(ref, memoryview(packed)[off:off + ref.nbytes]) for ref, off in at]
         reads += [(ref, memoryview(scales)[off:off + ref.nbytes]) for ref, off in sat]
-        weights[label] = RawWeight(shape, packed, scales, bytearray(r * kh), bytearray(r * kh // 16),
-                                   bytearray(r * _ROW_STATS * 8))
+        weights[label] = RawWeight(shape, packed, scales, _buffer(r * kh), _buffer(r * kh // 16),
+                                   _buffer(r * _ROW_STATS * 8))
         grows[label] = g
     read_many(reads)
     del reads

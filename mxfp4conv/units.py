@@ -128,7 +128,7 @@ class Head:
         del future
         if hs is None:
             return _transform(spec, job, ctx, device, check)
-        return _adopt(hs, spec, job, ctx, check)
+        return _adopt(hs, spec, job, ctx, check, device)
 
     def cancel(self) -> None:
         """Stop making the unit (between kernel calls) when the conversion ends without taking it."""
@@ -156,14 +156,17 @@ def start_head(job: Job, order: list[UnitSpec]) -> Head | None:
     return Head(order[i], future, stop)
 
 
-def _adopt(hs: HeadStart, spec: UnitSpec, job: Job, ctx: WriterContext, check: bool) -> UnitResult:
+def _adopt(hs: HeadStart, spec: UnitSpec, job: Job, ctx: WriterContext, check: bool, device: str = "cpu") -> UnitResult:
     """The head-start unit's result: its stacks read as the layout reads them (validated as any unit's),
-    its rows' results taken as requantized (on the CPU), its statistics folded (``head_start``)."""
+    its rows' results taken as requantized (on the CPU), its statistics folded (``head_start``).
+    In a run on a GPU (``device``) the check compares its written bytes, as any unit's there, with a
+    second requantization of SRC on the device, from a fresh read (the head start let the codes go):
+    its host results are then let go once written, not held until the check has run."""
     import torch
 
-    from mxfp4conv.layouts.split import read_split_unit
+    from mxfp4conv.layouts.split import RawBytes, read_split_unit
 
-    def view(buf: bytearray, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    def view(buf: RawBytes, dtype: torch.dtype, *shape: int) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=dtype).view(shape) if len(buf) else torch.empty(shape, dtype=dtype)
 
     t0 = time.perf_counter()
@@ -171,8 +174,13 @@ def _adopt(hs: HeadStart, spec: UnitSpec, job: Job, ctx: WriterContext, check: b
     done = {k: (view(w.out, torch.uint8, w.rows, w.shape[2]), view(w.scales_out, torch.uint8, w.rows, w.shape[2] // 16),
                 view(w.row_stats, torch.float64, w.rows, 5)) for k, w in hs.weights.items()}
     t_read = hs.t_read + time.perf_counter() - t0
-    res = _transform_on(unit, spec, job, ctx, "cpu", t_read, check, done, hs.t_transform)
+    on_gpu = device.startswith("cuda")
+    res = _transform_on(unit, spec, job, ctx, "cpu", t_read, check and not on_gpu, done, hs.t_transform)
     res.head_start = True
+    if check and on_gpu:
+        with torch.cuda.device(torch.device(device)):
+            source = job.layout.read(job.ckpt, spec, device=read_onto(spec, job.ckpt, device))
+            res.want = requant_on_device(source, job.opts.scale_rule, device)
     return res
 
 

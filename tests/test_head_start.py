@@ -215,3 +215,32 @@ def test_runs_that_write_only_some_shards_take_no_head_start(tmp_path: Path, mon
     done = pipeline.convert(src, tmp_path / "multi", dataclasses.replace(base, finish=True))
     assert done.compute is not None and "head_start" not in done.compute
     assert _tree(tmp_path / "one") == _tree(tmp_path / "multi")
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_head_start_unit_is_checked_against_the_device_and_not_held(tmp_path: Path,
+                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a GPU run the head-start unit's check compares with a second requantization on the device
+    (its host results are not kept for the check): what it compares is the usual GPU unit's, and a
+    run with the head start gives the bytes of one without."""
+    src = build("modelopt-nvfp4", tmp_path / "src", layers=2, experts=4, hidden=256, inter=128)
+    job = prepare(src, pipeline.ConvertOptions(target="ct", device="cuda:0"))
+    spec = next(u for u in job.plan.units if u.kind == "moe")
+    hs = head_start.make(spec, job.ckpt, job.layout.nvfp4_roles(spec), job.opts.scale_rule, threads=2)
+    assert hs is not None
+    ahead = units._adopt(hs, spec, job, job.ctx, check=True, device="cuda:0")
+    usual = units._transform(spec, job, job.ctx, "cuda:0", True)
+    assert ahead.device == "cpu" and usual.device == "cuda:0" and ahead.stats == usual.stats
+    assert ahead.want is not None and usual.want is not None
+    for name in ("w13", "w2"):
+        a, b = getattr(ahead.want, name), getattr(usual.want, name)
+        assert a.packed.is_cuda and torch.equal(a.packed, b.packed) and torch.equal(a.scales, b.scales)
+    for a, b in zip(ahead.outs, usual.outs, strict=True):
+        assert torch.equal(a.cpu(), b.cpu())
+    reports = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv(head_start.ENV, mode)
+        reports[mode] = pipeline.convert(src, tmp_path / mode, pipeline.ConvertOptions(target="ct", device="cuda:0"))
+    assert reports["on"].compute is not None and reports["on"].compute["head_start"] == spec.key
+    assert reports["on"].verify is not None and reports["on"].verify["ok"]
+    assert _tree(tmp_path / "on") == _tree(tmp_path / "off")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,7 +23,11 @@ from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.io.safetensors_io import TensorRef, read_many, tensor_view
 from mxfp4conv.layouts.base import EXPERT_RE, Plan, Problem, natural_key
 
-__all__ = ["DEEPSEEK_V4_MXFP4", "LinearRoles", "plan_split_layout", "read_split_unit"]
+__all__ = ["DEEPSEEK_V4_MXFP4", "LinearRoles", "RawBytes", "plan_split_layout", "read_split_unit"]
+
+# A stack read into plain memory before torch is there (the head start): a bytearray, or an anonymous
+# mapping (its pages are zeroed as they are first written, by the threads writing them).
+RawBytes = bytearray | mmap.mmap
 
 _GATE_UP_DOWN = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
@@ -251,7 +256,7 @@ def weight_refs(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles) -
 
 
 def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, device: str | None = None,
-            raw: tuple[bytearray | None, bytearray] | None = None,
+            raw: tuple[RawBytes | None, RawBytes] | None = None,
             reads: list[tuple[TensorRef, memoryview]] | None = None) -> FP4Weight:
     """The FP4 tensors of ``groups`` of modules: module e of every group stacked as ``[E, ...]`` and
     the groups concatenated along the rows (gate then up: w13). Bytes are read straight into the
@@ -323,7 +328,7 @@ def stack_plan(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[int
 
 
 def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[int], device: str | None,
-                raw: bytearray | None = None, reads: list[tuple[TensorRef, memoryview]] | None = None) -> torch.Tensor:
+                raw: RawBytes | None = None, reads: list[tuple[TensorRef, memoryview]] | None = None) -> torch.Tensor:
     """uint8 ``[num, sum(rows), cols]`` from 2-D one-byte tensors (``stack_plan``). On ``device``
     (CUDA) when given, read there through small pinned buffers (``io/device_read``); ``raw``: the
     stack's bytes, read already (the head start), used in place; ``reads``: a host stack's reads
@@ -375,7 +380,7 @@ def _checked_global(ckpt: Checkpoint, ref: TensorRef) -> torch.Tensor:
 
 
 def read_split_unit(ckpt: Checkpoint, spec: UnitSpec, roles: LinearRoles, *, device: str | None = None,
-                    raw: dict[str, tuple[bytearray | None, bytearray]] | None = None) -> Canonical:
+                    raw: dict[str, tuple[RawBytes | None, RawBytes]] | None = None) -> Canonical:
     """One unit's tensors in canonical form; ``device``: the CUDA device its NVFP4 stacks are read onto;
     ``raw``: its weights' packed and scale stacks read already, by ``unit_groups`` name (the head start)."""
     import torch
