@@ -512,3 +512,26 @@ def test_x86_64_kernel_carries_one_row_function_per_vector_level() -> None:
     assert kernel is not None
     syms = subprocess.run(["nm", str(kernel.path)], capture_output=True, text=True, check=True).stdout
     assert "mxfp4conv_requant_rows.avx2" in syms and "mxfp4conv_requant_rows.default" in syms
+
+
+@pytest.mark.skipif(requant_native._compiler() is None, reason="needs a C compiler")
+def test_the_kernels_two_block_encoders_write_the_same_bytes() -> None:
+    """The output bytes of a block come from 16-lane table lookups where the CPU has them, else byte
+    by byte: on any input (every code byte, any new-code table, flips on either half) both agree."""
+    import ctypes
+
+    kernel = requant_native.load()
+    assert kernel is not None
+    fn = ctypes.CDLL(str(kernel.path)).mxfp4conv_encode16_agree
+    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int64
+    gen = np.random.default_rng(7)
+    n = 1 << 16
+    packed = gen.integers(0, 256, (n, 16), dtype=np.uint8)
+    packed[:16] = np.arange(256, dtype=np.uint8).reshape(16, 16)  # every byte
+    codes = gen.integers(0, 8, (n, 16), dtype=np.uint8)  # magnitude codes 0..7
+    flips = gen.choice(np.array([0, 0x88], dtype=np.uint8), (n, 2))
+    got = fn(n, packed.ctypes.data, codes.ctypes.data, flips.ctypes.data)
+    if got == -2:
+        pytest.skip("no lane encoder on this CPU / compiler")
+    assert got == -1, f"block {got} differs"

@@ -10,7 +10,8 @@
  * values occur, |x|[h*8 + m] = RN(RN(e2m1[m] * |s_h|) (*|/) |g|) for magnitude code m, so the float
  * work runs on that 16-entry table; per element only its group h*8 + m is counted and its new code
  * looked up. Statistics are float32 block sums in the scaled domain, in group order t = 0..15, times
- * 4^e in float64; MSE compares its two candidates exactly (float64 terms that are all exact).
+ * 4^e in float64; MSE compares its two candidates exactly (float64 terms that are all exact). The
+ * block's output bytes are 16-lane table lookups where the CPU has them (encode16_lanes).
  */
 #include <math.h>
 #include <stdint.h>
@@ -158,6 +159,67 @@ static inline float present_max(const float *d, const float *pm) {
     return v[0];
 }
 
+/* The 16 output bytes of a block: each nibble's magnitude (bits 0-2) replaced by its new code from
+ * the half's table (code[h * 8 + m]), its sign bit kept, both sign bits flipped where the half's
+ * scale sign differs from the row's (flip = 0x88). */
+static void encode16_bytes(const uint8_t *pb, const uint8_t *code, uint8_t flip0, uint8_t flip1, uint8_t *ob) {
+    for (int i = 0; i < 16; i++) {
+        const uint8_t *ch = code + (i >> 3) * 8;
+        const uint8_t b = pb[i];
+        ob[i] = (uint8_t)((ch[b & 7] | (ch[(b >> 4) & 7] << 4) | (b & 0x88)) ^ (i < 8 ? flip0 : flip1));
+    }
+}
+
+/* The same integer operations on 16 lanes at once: two table lookups (one pshufb each on x86-64 with
+ * SSSE3, one tbl on AArch64), with GCC's vector extensions; chosen at run time where the CPU has them. */
+#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__aarch64__))
+#define ENCODE16_VECTOR 1
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+#if defined(__x86_64__)
+__attribute__((target("ssse3")))
+#endif
+static void encode16_lanes(const uint8_t *pb, const uint8_t *code, uint8_t flip0, uint8_t flip1, uint8_t *ob) {
+    u8x16 x, t, f, half = {0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8};
+    memcpy(&x, pb, 16);
+    memcpy(&t, code, 16);
+    for (int i = 0; i < 16; i++) f[i] = i < 8 ? flip0 : flip1;
+    const u8x16 lo = __builtin_shuffle(t, (x & 7) | half), hi = __builtin_shuffle(t, ((x >> 4) & 7) | half);
+    const u8x16 o = (lo | (hi << 4) | (x & 0x88)) ^ f;
+    memcpy(ob, &o, 16);
+}
+#endif
+
+typedef void (*encode16_fn)(const uint8_t *, const uint8_t *, uint8_t, uint8_t, uint8_t *);
+
+static encode16_fn pick_encode16(void) {
+#if defined(ENCODE16_VECTOR) && defined(__x86_64__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("ssse3") ? encode16_lanes : encode16_bytes;
+#elif defined(ENCODE16_VECTOR)
+    return encode16_lanes;
+#else
+    return encode16_bytes;
+#endif
+}
+
+/* Tests: blocks [0, n) (16 input bytes, 16 codes and two flips each) through both encoders; the first
+ * block whose bytes differ, -1 if none (-2 where there is no lane encoder). */
+int64_t mxfp4conv_encode16_agree(int64_t n, const uint8_t *packed, const uint8_t *codes, const uint8_t *flips) {
+#if defined(ENCODE16_VECTOR)
+    if (pick_encode16() != encode16_lanes) return -2;
+    for (int64_t j = 0; j < n; j++) {
+        uint8_t a[16], b[16];
+        encode16_bytes(packed + 16 * j, codes + 16 * j, flips[2 * j], flips[2 * j + 1], a);
+        encode16_lanes(packed + 16 * j, codes + 16 * j, flips[2 * j], flips[2 * j + 1], b);
+        if (memcmp(a, b, 16)) return j;
+    }
+    return -1;
+#else
+    (void)n; (void)packed; (void)codes; (void)flips;
+    return -2;
+#endif
+}
+
 /* rows [r0, r1): packed u8 [R, kh], s u8 [R, kh/8] (E4M3 bit patterns, decoded through e4m3, the
  * 256 values as f32: the decode runs here, in the worker threads, not serially before them), g f32 [R];
  * out u8 [R, kh], scales_out u8 [R, kh/16], row_stats f64 [R, 5]. rule: 0 FLOOR 1 EVEN 2 RCEIL 3 MSE. */
@@ -165,6 +227,7 @@ MULTIVERSION int mxfp4conv_requant_rows(const uint8_t *packed, const uint8_t *s,
                            int64_t r0, int64_t r1, int64_t kh, int divisor, int rule, uint8_t *out,
                            uint8_t *scales_out, double *row_stats) {
     const int64_t nb = kh / 16;
+    const encode16_fn encode16 = pick_encode16();
     for (int64_t row = r0; row < r1; row++) {
         const float gv = g[row];
         const float ga = fabsf(gv);
@@ -233,14 +296,9 @@ MULTIVERSION int mxfp4conv_requant_rows(const uint8_t *packed, const uint8_t *s,
             memcpy(rbits, rt, sizeof rbits);
             uint8_t code[16];
             for (int t = 0; t < 16; t++) code[t] = CODE_LUT[rbits[t] >> 22];
-            for (int h = 0; h < 2; h++) {
-                const uint8_t flip = ((signbit(sv[h]) != 0) ^ gneg) ? 0x88 : 0;
-                const uint8_t *ch = code + h * 8;
-                for (int i = 0; i < 8; i++) {
-                    const uint8_t b = pb[h * 8 + i];
-                    ob[h * 8 + i] = (uint8_t)((ch[b & 7] | (ch[(b >> 4) & 7] << 4) | (b & 0x88)) ^ flip);
-                }
-            }
+            const uint8_t flip0 = ((signbit(sv[0]) != 0) ^ gneg) ? 0x88 : 0;
+            const uint8_t flip1 = ((signbit(sv[1]) != 0) ^ gneg) ? 0x88 : 0;
+            encode16(pb, code, flip0, flip1, ob);
             scales_out[row * nb + j] = (uint8_t)(e + 127);
             rclip += amax > six_pow2f(e);
             rexact += mx == 0.0f;
