@@ -10,8 +10,10 @@ validates the source as for any unit (an invalid one is refused with the same er
 memory-safe on any input) and folds the statistics from the kernel's row statistics: the unit's bytes
 and statistics are the ones the CPU path makes, which the GPU's kernel matches byte for byte.
 
-Nothing here imports torch. ``MXFP4CONV_HEAD_START``: ``auto`` (default: when torch is not imported
-yet), ``on``, ``off``.
+Nothing here imports torch. ``MXFP4CONV_HEAD_START``: ``off`` (default), ``auto`` (when torch is not
+imported yet), ``on``. Off by default: on the H200 hosts measured its work beside torch's import
+delayed the import more than the unit it made saved, and on 2 cores it moved work between cores
+without a gain beyond the noise (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -74,8 +76,8 @@ class HeadStart:
 
 
 def mode() -> str:
-    """``MXFP4CONV_HEAD_START``: auto | on | off."""
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    """``MXFP4CONV_HEAD_START``: off (default) | auto | on."""
+    value = os.environ.get(ENV, "off").strip().lower() or "off"
     if value not in ("auto", "on", "off"):
         raise ValueError(f"{ENV}={value!r}: use auto, on or off")
     return value

@@ -170,13 +170,22 @@ def test_a_bad_mode_is_a_usage_error(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert not (tmp_path / "o").exists()
 
 
-def test_the_command_as_typed_takes_a_head_start(tmp_path: Path) -> None:
-    """A fresh process (torch not imported): the first NVFP4 unit is made while torch imports, and says so."""
+def test_the_command_as_typed_takes_a_head_start_when_asked(tmp_path: Path) -> None:
+    """A fresh process (torch not imported) with MXFP4CONV_HEAD_START=auto: the first NVFP4 unit is made
+    while torch imports, and says so; without the variable (off, the default) none is taken."""
+    import os
+
     src = build("modelopt-nvfp4", tmp_path / "src", layers=2, experts=4, hidden=128, inter=64)
-    res = subprocess.run([sys.executable, "-m", "mxfp4conv", "convert", str(src), str(tmp_path / "o"), "--to", "ct",
-                          "--device", "cpu", "--json"], capture_output=True, text=True, check=True)
-    report = json.loads(res.stdout)
-    assert report["compute"]["head_start"] == "model.layers.0.mlp.experts" and report["verify"]["ok"]
+    reports = {}
+    for mode in ("auto", None):
+        env = {k: v for k, v in os.environ.items() if k != head_start.ENV} | ({head_start.ENV: mode} if mode else {})
+        res = subprocess.run([sys.executable, "-m", "mxfp4conv", "convert", str(src), str(tmp_path / str(mode)), "--to",
+                              "ct", "--device", "cpu", "--json"], capture_output=True, text=True, check=True, env=env)
+        reports[mode] = json.loads(res.stdout)
+        assert reports[mode]["verify"]["ok"]
+    assert reports["auto"]["compute"]["head_start"] == "model.layers.0.mlp.experts"
+    assert "head_start" not in reports[None]["compute"]
+    assert _tree(tmp_path / "auto") == _tree(tmp_path / "None")
 
 
 def test_a_conversion_that_ends_early_stops_its_head_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
