@@ -5,6 +5,7 @@ the traceback); with ``--json`` stdout holds exactly one JSON document, and noth
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -228,3 +229,35 @@ def test_debug_adds_the_traceback(src: Path, monkeypatch: pytest.MonkeyPatch, tm
 def test_no_traceback_without_debug(tmp_path: Path) -> None:
     code, _, err = run("convert", str(tmp_path / "missing"), str(tmp_path / "o"), env={"MXFP4CONV_DEBUG": "0"})
     assert code == EXIT_INVALID and "Traceback" not in err and len(error_lines(err)) == 1
+
+
+_SETTLE_PROBE = """
+import gc, sys
+from mxfp4conv.cli import _collector_settled_at_first_unit
+from mxfp4conv.pipeline import ConvertOptions, convert
+
+assert "torch" not in sys.modules  # torch is imported by the conversion, as in a fresh command
+was = gc.isenabled()
+with _collector_settled_at_first_unit(None) as progress:
+    convert(sys.argv[1], sys.argv[2], ConvertOptions(target="ct", device="cpu"), on_progress=progress)
+    assert gc.isenabled() and gc.get_freeze_count() > 0
+    gc.unfreeze()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    gc.collect()
+    import torch
+    print(sum(isinstance(o, torch.Tensor) for o in gc.garbage))
+assert gc.isenabled() == was and gc.get_freeze_count() == 0
+"""
+
+
+def test_the_collector_freezes_no_garbage_of_the_conversions_start(tmp_path: Path) -> None:
+    """The collector is off while a conversion starts and on once torch is imported, the start's objects
+    then frozen. torch's import leaves a cycle holding the importing thread's frames, locals included
+    (the first unit's tensors when a reader imports it): nothing of it may be frozen with them, or
+    that memory would never be freed. Afterwards the collector is as it was."""
+    src = build("modelopt-nvfp4", tmp_path / "src", layers=2, experts=4, hidden=128, inter=64)
+    env = {k: v for k, v in os.environ.items() if k != "MXFP4CONV_HEAD_START"}
+    res = subprocess.run([sys.executable, "-c", _SETTLE_PROBE, str(src), str(tmp_path / "o")], capture_output=True,
+                         text=True, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "0"
