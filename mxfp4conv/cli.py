@@ -227,12 +227,13 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
 def _collector_settled_at_first_unit(
         progress: Callable[[int, int], None] | None) -> Iterator[Callable[[int, int], None]]:
     """Python's cyclic garbage collector off while a conversion starts, back on once torch is imported
-    (at the first unit written after that), the objects that exist then frozen. Importing torch and
-    planning a large checkpoint leave ~1M long-lived objects and next to no cyclic garbage; each full
-    collection walks them all, holding the GIL the reader, writer and kernel threads need (0.3-0.4 s
-    of a small conversion; one pass, ~0.1 s, now). Frozen objects are freed as usual once
-    unreferenced, only never scanned again. A conversion that never imports torch (renames) runs with the collector off: its units
-    make no cyclic garbage. The collector is restored as it was when the command returns."""
+    (at the first unit written after that), after one full pass, the objects that exist then frozen.
+    Importing torch and planning a large checkpoint leave ~1M long-lived objects and little cyclic
+    garbage; each full collection walks them all, holding the GIL the reader, writer and kernel
+    threads need (0.3-0.4 s of a small conversion, against the one pass of ~0.1 s). Frozen objects
+    are freed as usual once unreferenced, only never scanned again. A conversion that never imports
+    torch (renames) runs with the collector off: it makes a few dozen cyclic objects, however many
+    units it has. The collector is restored as it was when the command returns."""
     from mxfp4conv.head_start import torch_pending
 
     was = gc.isenabled()
