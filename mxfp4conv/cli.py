@@ -203,16 +203,20 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
                               devices=_device_list(devices))
         bar = None if as_json or not sys.stderr.isatty() else _progress_bar()
         report: ConvertReport
-        with _collector_settled_at_first_unit(bar) as progress:
-            try:
-                if ray_address is not None:
-                    from mxfp4conv.ray_runner import convert_on_ray
+        if ray_address is not None:  # the units run on Ray's workers: this process only drives them
+            from mxfp4conv.ray_runner import convert_on_ray
 
-                    report = convert_on_ray(src, dst, opts, ray_address, on_progress=progress)
-                else:
-                    report = convert(src, dst, opts, on_progress=progress)
+            try:
+                report = convert_on_ray(src, dst, opts, ray_address, on_progress=bar)
             finally:
-                progress(-1, -1)
+                if bar:
+                    bar(-1, -1)
+        else:
+            with _collector_settled_at_first_unit(bar) as progress:
+                try:
+                    report = convert(src, dst, opts, on_progress=progress)
+                finally:
+                    progress(-1, -1)
         doc = report.to_dict()
         if as_json:
             _emit_json(doc)
