@@ -426,6 +426,9 @@ def _start_device(opts: ConvertOptions) -> threading.Thread | None:
         return None
 
     def start() -> None:
+        from mxfp4conv.io.cuda_driver import start_driver
+
+        start_driver(_ordinals(opts))  # CUDA's start needs no torch: beside its import, not after it
         with contextlib.suppress(Exception):
             import torch
 
@@ -441,6 +444,14 @@ def _start_device(opts: ConvertOptions) -> threading.Thread | None:
     t = threading.Thread(target=start, name="mxfp4conv-device-start", daemon=True)
     t.start()
     return t
+
+
+def _ordinals(opts: ConvertOptions) -> list[int] | None:
+    """The CUDA devices a conversion will use, by ordinal; None for every visible one."""
+    names = list(opts.devices) or [opts.device]
+    if any(not n.startswith("cuda:") for n in names):
+        return None
+    return [int(n[5:]) for n in names if n[5:].isdigit()]
 
 
 def _fill_plan_report(report: ConvertReport, plan: Plan, target: Target, ctx: WriterContext,
