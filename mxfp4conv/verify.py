@@ -110,7 +110,7 @@ def compare_units(want: Canonical, got: Canonical) -> list[dict[str, Any]]:
     return [d for n, a, b in pairs if (d := _diff(n, a, b))]
 
 
-def first_difference(a: FileSlice, b: TensorRef, chunk: int = 16 << 20) -> int | None:
+def first_difference(a: FileSlice, b: TensorRef, chunk: int = 2 << 20) -> int | None:
     """Offset of the first byte where a source range and an output tensor differ (None if equal)."""
     if a.length != b.nbytes:
         return 0
@@ -122,24 +122,37 @@ def first_difference(a: FileSlice, b: TensorRef, chunk: int = 16 << 20) -> int |
 
 
 def first_range_difference(src: Path, src_pos: int, fd: int, pos: int, length: int,
-                           chunk: int = 16 << 20) -> int | None:
+                           chunk: int = 2 << 20) -> int | None:
     """Offset of the first byte where ``length`` bytes of ``src`` from ``src_pos`` and of the open
-    file ``fd`` from ``pos`` differ (None if equal; a short file differs where it ends)."""
+    file ``fd`` from ``pos`` differ (None if equal; a short file differs where it ends). Two buffers
+    of ``chunk`` bytes, reused: a conversion runs one such check per open shard at once."""
     fa = os.open(src, os.O_RDONLY)
     try:
+        x, y = bytearray(min(chunk, length)), bytearray(min(chunk, length))
         off = 0
         while off < length:
             n = min(chunk, length - off)
-            x, y = os.pread(fa, n, src_pos + off), os.pread(fd, n, pos + off)
-            if x != y:
-                if len(x) != n or len(y) != n:
-                    m = min(len(x), len(y))
-                    return off + next((i for i in range(m) if x[i] != y[i]), m)
-                return off + next(i for i in range(n) if x[i] != y[i])
+            if n < len(x):  # the last piece
+                x, y = bytearray(n), bytearray(n)
+            gx, gy = _fill(fa, x, src_pos + off), _fill(fd, y, pos + off)
+            if gx != n or gy != n or x != y:  # bytearray == bytearray is one memcmp
+                m = min(gx, gy)
+                return off + next((i for i in range(m) if x[i] != y[i]), m)
             off += n
     finally:
         os.close(fa)
     return None
+
+
+def _fill(fd: int, buf: bytearray, pos: int) -> int:
+    """Read ``len(buf)`` bytes of ``fd`` from ``pos`` into ``buf``; how many there were (fewer at the end of the file)."""
+    view, done = memoryview(buf), 0
+    while done < len(buf):
+        got = os.preadv(fd, [view[done:]], pos + done)
+        if got <= 0:
+            break
+        done += got
+    return done
 
 
 def planned_mismatches(out: Checkpoint, plan: Plan, target: Target, rctx: WriterContext) -> list[dict[str, Any]]:

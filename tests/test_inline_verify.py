@@ -129,3 +129,27 @@ def test_verify_and_the_pipeline_do_not_import_each_other() -> None:
             "print('mxfp4conv.pipeline' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("at", [0, 4095, 4096, 4097, 10_000, 10_239])
+def test_range_difference_finds_the_first_differing_byte_across_pieces(tmp_path: Path, at: int) -> None:
+    """The lossless check compares two files piece by piece (reused buffers): a byte changed in any
+    piece, the short last one included, is reported at its offset; equal ranges give None."""
+    import os
+
+    from mxfp4conv.verify import first_range_difference
+
+    data = bytes(range(256)) * 41  # 10,496 bytes
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(b"xx" + data)
+    changed = bytearray(data)
+    changed[at] ^= 0x10
+    b.write_bytes(b"yyy" + bytes(changed))
+    fd = os.open(b, os.O_RDONLY)
+    try:
+        assert first_range_difference(a, 2, fd, 3, 10_240, chunk=4096) == at
+        assert first_range_difference(a, 2, fd, 3, at, chunk=4096) is None  # the range before it is equal
+        b.write_bytes(b"yyy" + data[:9_000])  # the output ends early: a difference where it ends
+        assert first_range_difference(a, 2, fd, 3, 10_240, chunk=4096) == 9_000
+    finally:
+        os.close(fd)
