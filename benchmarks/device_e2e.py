@@ -53,8 +53,11 @@ _TIMED = ("import json,resource,subprocess,sys,time;t=time.perf_counter();"
 def conv(src: Path, dst: Path, *flags: str, env: dict[str, str] | None = None) -> float:
     """Wall seconds of one CLI conversion, timed inside a wrapper process of its own (so its peak RSS,
     RSS[dst.name], is this conversion's alone); its --json per-stage seconds go to STAGES[dst.name]."""
-    res = subprocess.run([PY, "-c", _TIMED, PY, "-m", "mxfp4conv", "convert", str(src), str(dst), "--to", "ct", "--json",
-                          *flags], check=True, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    env = dict(env or {})
+    cwd = env.pop("CWD", None)  # `python -m mxfp4conv` runs the package found there first: another checkout
+    res = subprocess.run([PY, "-c", _TIMED, PY, "-m", "mxfp4conv", "convert", str(src.resolve()), str(dst.resolve()), "--to",
+                          "ct", "--json", *flags], check=True, capture_output=True, text=True, env={**os.environ, **env},
+                         cwd=cwd)
     wall, rss_kib, rc, out = json.loads(res.stdout.strip().splitlines()[-1])
     if rc:
         raise SystemExit(f"convert failed ({rc}): {res.stderr[-2000:]}")
@@ -95,8 +98,11 @@ def main() -> None:
     ap.add_argument("--shard-sizes", default="", help="comma list of --max-shard-size values, alternated within each round")
     ap.add_argument("--variants", default="",
                     help="';'-separated NAME:VAR=V,VAR=V environments for the conversion, alternated within each "
-                         "round (e.g. 'base:PYTHONPATH=/tmp/base;omp1:OMP_NUM_THREADS=1'; 'new:' = as is)")
+                         "round (e.g. 'base:CWD=/tmp/base;omp1:OMP_NUM_THREADS=1'; 'new:' = as is). CWD is not an "
+                         "environment variable: the conversion runs in that folder, so `python -m mxfp4conv` runs "
+                         "the checkout there (a same-run A/B of two versions)")
     args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     log = open(args.out / "device_e2e.jsonl", "w")  # noqa: SIM115
 
     def emit(**kw: object) -> None:

@@ -15,7 +15,9 @@ meet them.
 (``sys._current_frames`` every 2 ms): OUT_DIR/samples.txt lists, per thread, where it spent its
 time (innermost frame of our package or the stdlib call it waits in), so a reader / device / writer /
 hasher thread that bounds the pipeline shows up as the one that is never idle; OUT_DIR/timeline.txt
-shows, per half second, how busy each kind of thread was (start-up, steady state and tail apart).
+shows, per half second, how busy each kind of thread was (start-up, steady state and tail apart);
+OUT_DIR/memory.txt, per half second, the process's largest anonymous, file-backed and shared resident
+memory (``/proc/self/status``), which tells where a peak RSS is reached and of what kind.
 """
 
 from __future__ import annotations
@@ -56,15 +58,22 @@ class Sampler(threading.Thread):
         # per thread, per BUCKET seconds since start: [busy samples, all samples]
         self.timeline: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
         self.t0 = time.perf_counter()
+        # per BUCKET: the largest RssAnon / RssFile / RssShmem seen (kB), from /proc/self/status
+        self.memory: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
 
     BUCKET = 0.5
+    MEMORY_EVERY = 5  # samples between two reads of /proc/self/status
     IDLE = ("threading.py:wait", "thread.py:_worker", "_wait_for_tstate_lock", "queue.py:get")
 
     def run(self) -> None:
         me = threading.get_ident()
+        n = 0
         while not self.stop.wait(self.period):
             names = {t.ident: t.name for t in threading.enumerate()}
             b = int((time.perf_counter() - self.t0) / self.BUCKET)
+            n += 1
+            if n % self.MEMORY_EVERY == 0:
+                self._memory(b)
             for ident, frame in sys._current_frames().items():
                 if ident != me:
                     name = names.get(ident, str(ident))
@@ -73,6 +82,25 @@ class Sampler(threading.Thread):
                     cell = self.timeline[name.rstrip("0123456789_")][b]
                     cell[0] += not where.endswith(self.IDLE)
                     cell[1] += 1
+
+    def _memory(self, b: int) -> None:
+        try:
+            text = Path("/proc/self/status").read_text()
+        except OSError:
+            return
+        cell = self.memory[b]
+        for line in text.splitlines():
+            for i, key in enumerate(("RssAnon:", "RssFile:", "RssShmem:")):
+                if line.startswith(key):
+                    cell[i] = max(cell[i], int(line.split()[1]))
+
+    def memory_text(self) -> str:
+        """Per BUCKET seconds, the largest anonymous / file-backed / shared resident memory, in GB."""
+        lines = ["second  anon_GB  file_GB  shmem_GB"]
+        for b in sorted(self.memory):
+            a, f, s = self.memory[b]
+            lines.append(f"{b * self.BUCKET:6.1f}  {a / 1e6:7.3f}  {f / 1e6:7.3f}  {s / 1e6:8.3f}")
+        return "\n".join(lines) + "\n"
 
     def timeline_text(self) -> str:
         """One line per thread kind (numbered threads merged): per BUCKET seconds, the busy share of its
@@ -112,6 +140,7 @@ def sampled_cli(out: Path, argv: list[str]) -> None:
     sampler.join()
     (out / "samples.txt").write_text(sampler.report())
     (out / "timeline.txt").write_text(sampler.timeline_text())
+    (out / "memory.txt").write_text(sampler.memory_text())
     (out / "cli.json").write_text(json.dumps({"argv": argv, "exit_code": code, "wall_s": round(wall, 3)}))
 
 
@@ -151,6 +180,7 @@ def main() -> None:
         print(json.dumps({**json.loads((args.out / "cli.json").read_text()), "bytes": size, "seconds": rep["seconds"],
                           "requantized_on": rep.get("requantized_on"), "verified": (rep.get("verify") or {}).get("ok")}))
         print((args.out / "timeline.txt").read_text())
+        print((args.out / "memory.txt").read_text())
         shutil.rmtree(args.work / "out", ignore_errors=True)
         if not args.keep_src:
             shutil.rmtree(args.work, ignore_errors=True)
