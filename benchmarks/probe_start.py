@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python3 benchmarks/probe_start.py [--rounds 3] [--importtime]
 
-Each case runs in a fresh interpreter, the cases alternating within each round. ``kernel``
+Each case runs in a fresh interpreter, the cases alternating within each round. ``key`` times Triton's import and its
+cache key (a hash of its install) alone; ``kernel``
 times the GPU kernel's module import, Triton's cache key and the first and second launch (the first
 round's first launch may compile; later ones find Triton's disk cache). ``warm_driver``
 starts the CUDA driver and the device's primary context through the driver API (ctypes) on a helper
@@ -28,10 +29,12 @@ _CASES = {
     "warm_driver": "from mxfp4conv.io.cuda_driver import start_driver\nwarm = start_driver(0)\n"
                    "import torch\nmark('import')\nwarm.join()\nmark('driver_joined')\ntorch.cuda.init()\nmark('init')\n"
                    "torch.empty(1, device='cuda')\ntorch.cuda.synchronize()\nmark('context')",
+    "key": "import torch\nimport triton\nmark('triton')\nfrom triton.runtime.cache import triton_key\ntriton_key()\n"
+           "mark('triton_key')",
     "kernel": "import torch\ntorch.cuda.init()\ntorch.empty(1, device='cuda')\nmark('context')\n"
               "from mxfp4conv.kernels.requant_triton import _jit, requant_rows\n_jit()\nmark('kernel_module')\n"
-              "try:\n    from triton.compiler.compiler import triton_key\n    triton_key()\n    mark('triton_key')\n"
-              "except ImportError:\n    pass\n"
+              "import time as _t\nfrom triton.runtime.cache import triton_key\n_k = _t.perf_counter()\ntriton_key()\n"
+              "MARKS['triton_key_again_s'] = round(_t.perf_counter() - _k, 3)\nmark('triton_key')\n"
               "p = torch.zeros(64, 1024, dtype=torch.uint8, device='cuda')\n"
               "s = torch.zeros(64, 128, dtype=torch.uint8, device='cuda')\ng = torch.ones(64, device='cuda')\n"
               "requant_rows(p, s, g, False, 'mse')\ntorch.cuda.synchronize()\nmark('first_launch')\n"

@@ -48,6 +48,9 @@ Design (one program = ``ROWS`` rows, walked 8 32-blocks at a time):
   difference ``sum n (A - B)(2u - A - B)`` (every term and partial sum exact) and those blocks use it.
 """
 
+import importlib
+import os
+
 import triton
 import triton.language as tl
 
@@ -559,3 +562,22 @@ def requant_rows_kernel(in_ptr, sc_ptr, g_ptr, out_ptr, osc_ptr, st_ptr, R, NB,
         tl.store(st_row + 2, tl.max(lmx, axis=1), mask=rmask)
         tl.store(st_row + 3, tl.sum(lclip, axis=1).to(tl.float64), mask=rmask)
         tl.store(st_row + 4, tl.sum(lexact, axis=1).to(tl.float64), mask=rmask)
+
+
+def _cache_key_now():
+    """Triton keys its disk cache by a hash of its own install, libtriton's hundreds of MB included,
+    computed once per process (cached) at the first launch: 0.3-0.5 s of a fresh conversion's first
+    unit on an H200 host. Computed here instead: the conversion's device-start thread imports this
+    module while the first unit is read, and a first launch meanwhile waits for the import."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return  # the interpreter compiles nothing
+    for where in ("triton.runtime.cache", "triton.compiler.compiler"):  # it moved between releases
+        try:
+            key = importlib.import_module(where).triton_key
+        except (ImportError, AttributeError):
+            continue
+        key()
+        return
+
+
+_cache_key_now()
