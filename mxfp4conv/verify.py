@@ -82,11 +82,23 @@ def _diff(name: str, want: torch.Tensor | None, got: torch.Tensor | None) -> dic
         got = got.to(want.device)
     a = want.contiguous().reshape(-1).view(torch.uint8)
     b = got.contiguous().reshape(-1).view(torch.uint8)
-    if torch.equal(a, b):
+    if torch.equal(*_words(a, b)):
         return None
     bad = (a != b).nonzero()
     return {"tensor": name, "message": f"{bad.numel()} of {a.numel()} bytes differ, first at byte {int(bad[0])}",
             "differing_bytes": int(bad.numel())}
+
+
+def _words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two flat byte tensors of one length, viewed as the widest integer type that both their length
+    and their offsets allow (the same bytes are equal exactly when the words are): torch.equal walks
+    uint8 a byte at a time, ~1 GB/s on one core, and int64 ~7x faster."""
+    import torch
+
+    for dtype, width in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if a.numel() % width == 0 and a.storage_offset() % width == 0 and b.storage_offset() % width == 0:
+            return a.view(dtype), b.view(dtype)
+    return a, b
 
 
 def compare_units(want: Canonical, got: Canonical) -> list[dict[str, Any]]:

@@ -153,3 +153,21 @@ def test_range_difference_finds_the_first_differing_byte_across_pieces(tmp_path:
         assert first_range_difference(a, 2, fd, 3, 10_240, chunk=4096) == 9_000
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize(("length", "offset"), [(4096, 0), (4096, 1), (4094, 2), (4092, 4), (4095, 0)])
+def test_tensor_comparison_finds_one_differing_byte_whatever_the_word_width(length: int, offset: int) -> None:
+    """The unit comparison reads bytes as the widest words their length and offset allow: one byte
+    changed anywhere, the last included, is still found and reported at its offset."""
+    import torch
+
+    from mxfp4conv.verify import _diff
+
+    base = torch.randint(0, 256, (offset + length,), dtype=torch.uint8, generator=torch.Generator().manual_seed(length))
+    want = base[offset:]
+    assert _diff("t", want, want.clone()) is None
+    for at in (0, length // 2, length - 1):
+        got = want.clone()
+        got[at] ^= 1
+        found = _diff("t", want, got)
+        assert found is not None and found["differing_bytes"] == 1 and found["message"].endswith(f"first at byte {at}")
