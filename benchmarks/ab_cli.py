@@ -1,12 +1,13 @@
 """The default command from two (or more) checkouts, alternated on one checkpoint: a same-run A/B.
 
     python benchmarks/ab_cli.py --checkout new=. --checkout base=/tmp/base [--layers 2] [--rounds 4]
-        [--device cpu] [--src SRC] [-- EXTRA CONVERT FLAGS]
+        [--device cpu] [--src SRC] [--env NAME:VAR=VALUE ...] [-- EXTRA CONVERT FLAGS]
 
 Each round runs ``python -m mxfp4conv convert SRC DST --to ct --device DEVICE --json`` once in each
 checkout's folder (so ``python -m`` runs that checkout's package), in turn, each in a fresh process:
 wall seconds, user and sys CPU seconds and peak RSS of the process, and its ``--json`` per-stage
-seconds. SRC is a generated compressed-tensors NVFP4 checkpoint (``gen_checkpoint.py``) unless given.
+seconds. ``--env`` sets an environment variable for one checkout's runs (two names for one folder,
+one with ``--env``, compare a setting). SRC is a generated compressed-tensors NVFP4 checkpoint (``gen_checkpoint.py``) unless given.
 One JSON line per run, then the medians per checkout.
 """
 
@@ -31,11 +32,12 @@ _TIMED = ("import json,resource,subprocess,sys,time;t=time.perf_counter();"
           "print(json.dumps([w,u.ru_utime,u.ru_stime,u.ru_maxrss,r.returncode,r.stdout,r.stderr[-2000:]]))")
 
 
-def timed(checkout: Path, src: Path, dst: Path, device: str, extra: list[str]) -> dict[str, object]:
+def timed(checkout: Path, src: Path, dst: Path, device: str, extra: list[str],
+          env: dict[str, str] | None = None) -> dict[str, object]:
     """One conversion in a wrapper process of its own, so its CPU times and peak RSS are its alone."""
     cmd = [sys.executable, "-c", _TIMED, str(checkout), sys.executable, "-m", "mxfp4conv", "convert", str(src),
            str(dst), "--to", "ct", "--device", device, "--json", *extra]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, **(env or {})})
     wall, user, sys_s, rss_kib, rc, stdout, stderr = json.loads(out.stdout.strip().splitlines()[-1])
     if rc:
         raise SystemExit(f"convert failed in {checkout} ({rc}): {stderr}")
@@ -51,6 +53,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--env", action="append", default=[], help="NAME:VAR=VALUE, for that checkout's runs (repeat)")
     ap.add_argument("--src", type=Path, help="an NVFP4 checkpoint to convert instead of a generated one")
     ap.add_argument("--work", type=Path, default=Path("/tmp/ab_cli"))
     ap.add_argument("--out", type=Path, help="also write the JSON lines here")
@@ -58,6 +61,11 @@ def main() -> None:
     args = ap.parse_args()
     checkouts = [(n, Path(f).resolve()) for n, _, f in (c.partition("=") for c in args.checkout)]
     extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    envs: dict[str, dict[str, str]] = {n: {} for n, _ in checkouts}
+    for item in args.env:
+        name, _, assign = item.partition(":")
+        var, _, value = assign.partition("=")
+        envs[name][var] = value
     log = open(args.out, "w") if args.out else None  # noqa: SIM115
 
     def emit(**kw: object) -> None:
@@ -76,16 +84,16 @@ def main() -> None:
         src = generate(args.work / "src", "ct-nvfp4", args.layers, device="cpu")
         warm(src)
     emit(case="machine", cpus=os.cpu_count(), loadavg=os.getloadavg()[0], src=str(src))
-    for _, folder in checkouts:  # untimed: each checkout builds its compiled helpers once
-        timed(folder, src, args.work / "out", args.device, ["--no-verify"])
+    for name, folder in checkouts:  # untimed: each checkout builds its compiled helpers once
+        timed(folder, src, args.work / "out", args.device, ["--no-verify"], envs[name])
         shutil.rmtree(args.work / "out", ignore_errors=True)
     rows: dict[str, list[dict[str, object]]] = {n: [] for n, _ in checkouts}
     for r in range(args.rounds):
         for name, folder in checkouts:
-            row = timed(folder, src, args.work / "out", args.device, extra)
+            row = timed(folder, src, args.work / "out", args.device, extra, envs[name])
             shutil.rmtree(args.work / "out", ignore_errors=True)
             rows[name].append(row)
-            emit(case="run", round=r + 1, checkout=name, **row)
+            emit(case="run", round=r + 1, checkout=name, env=envs[name], **row)
     for name, mine in rows.items():
         emit(case="median", checkout=name, rounds=len(mine),
              **{k: round(statistics.median(float(x[k]) for x in mine), 3)  # type: ignore[arg-type]
