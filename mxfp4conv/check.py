@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -245,7 +244,7 @@ def _to_device(fd: int, begin: int, end: int, dev: torch.device) -> torch.Tensor
     """The shard's bytes ``[begin, end)`` as a uint8 tensor on ``dev``, read through a reused pinned buffer."""
     import torch
 
-    from mxfp4conv.io.safetensors_io import tensor_view
+    from mxfp4conv.io.safetensors_io import read_full, tensor_view
 
     out = torch.empty(end - begin, dtype=torch.uint8, device=dev)
     with _stage() as stage:
@@ -253,12 +252,8 @@ def _to_device(fd: int, begin: int, end: int, dev: torch.device) -> torch.Tensor
         pos = begin
         while pos < end:
             n = min(STAGE_BYTES, end - pos)
-            done = 0
-            while done < n:
-                got = os.preadv(fd, [view[done:n]], pos + done)
-                if got <= 0:
-                    raise OSError(5, "the staged shard is shorter than its header says")
-                done += got
+            if read_full(fd, view[:n], pos) < n:
+                raise OSError(5, "the staged shard is shorter than its header says")
             out[pos - begin:pos - begin + n].copy_(stage[:n])  # synchronous: the buffer is reused next
             pos += n
     return out
@@ -285,16 +280,10 @@ def _read(fd: int, pos: int, dtype: str, shape: tuple[int, ...]) -> torch.Tensor
 
     import torch
 
-    from mxfp4conv.io.safetensors_io import ITEMSIZE, tensor_view
+    from mxfp4conv.io.safetensors_io import ITEMSIZE, read_full, tensor_view
 
     n = math.prod(shape) * ITEMSIZE[dtype]
     raw = torch.empty(n, dtype=torch.uint8)
-    if n:
-        view = tensor_view(raw)
-        done = 0
-        while done < n:
-            got = os.preadv(fd, [view[done:]], pos + done)
-            if got <= 0:
-                raise OSError(5, "the staged shard is shorter than its header says")
-            done += got
+    if n and read_full(fd, tensor_view(raw), pos) < n:
+        raise OSError(5, "the staged shard is shorter than its header says")
     return raw.view(torch_dtype(dtype)).reshape(shape)

@@ -24,7 +24,7 @@ from mxfp4conv.canonical import Canonical, DenseFP4, MoELayer, Passthrough
 from mxfp4conv.canonicalize import to_mxfp4
 from mxfp4conv.errors import InputError, VerificationFailed
 from mxfp4conv.io.checkpoint import Checkpoint, open_checkpoint
-from mxfp4conv.io.safetensors_io import FileSlice, TensorRef
+from mxfp4conv.io.safetensors_io import FileSlice, TensorRef, read_full
 from mxfp4conv.job import (
     ConvertOptions,
     Job,
@@ -146,7 +146,7 @@ def first_range_difference(src: Path, src_pos: int, fd: int, pos: int, length: i
             n = min(chunk, length - off)
             if n < len(x):  # the last piece
                 x, y = bytearray(n), bytearray(n)
-            gx, gy = _fill(fa, x, src_pos + off), _fill(fd, y, pos + off)
+            gx, gy = read_full(fa, memoryview(x), src_pos + off), read_full(fd, memoryview(y), pos + off)
             if gx != n or gy != n or x != y:  # bytearray == bytearray is one memcmp
                 m = min(gx, gy)
                 return off + next((i for i in range(m) if x[i] != y[i]), m)
@@ -154,17 +154,6 @@ def first_range_difference(src: Path, src_pos: int, fd: int, pos: int, length: i
     finally:
         os.close(fa)
     return None
-
-
-def _fill(fd: int, buf: bytearray, pos: int) -> int:
-    """Read ``len(buf)`` bytes of ``fd`` from ``pos`` into ``buf``; how many there were (fewer at the end of the file)."""
-    view, done = memoryview(buf), 0
-    while done < len(buf):
-        got = os.preadv(fd, [view[done:]], pos + done)
-        if got <= 0:
-            break
-        done += got
-    return done
 
 
 def planned_mismatches(out: Checkpoint, plan: Plan, target: Target, rctx: WriterContext) -> list[dict[str, Any]]:

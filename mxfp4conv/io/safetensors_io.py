@@ -49,6 +49,7 @@ __all__ = [  # and DTYPES, built lazily by the module __getattr__
     "ShardStream",
     "TensorRef",
     "load_json",
+    "read_full",
     "read_header",
     "read_many",
     "read_parts",
@@ -280,6 +281,18 @@ def tensor_view(out: torch.Tensor) -> memoryview:
     import torch
 
     return memoryview(out.view(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def read_full(fd: int, buf: memoryview, pos: int) -> int:
+    """Read ``len(buf)`` bytes of ``fd`` from ``pos`` into ``buf`` (a short read is legal: loop); how
+    many there were, fewer only where the file ends."""
+    done = 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:]], pos + done)
+        if got <= 0:
+            break
+        done += got
+    return done
 
 
 # Reads are split into pieces of at most READ_PIECE bytes that run on a shared pool of
