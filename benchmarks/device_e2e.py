@@ -100,7 +100,8 @@ def main() -> None:
                     help="';'-separated NAME:VAR=V,VAR=V environments for the conversion, alternated within each "
                          "round (e.g. 'base:CWD=/tmp/base;omp1:OMP_NUM_THREADS=1'; 'new:' = as is). CWD is not an "
                          "environment variable: the conversion runs in that folder, so `python -m mxfp4conv` runs "
-                         "the checkout there (a same-run A/B of two versions)")
+                         "the checkout there (a same-run A/B of two versions); DEVICE is the "
+                         "conversion's --device (default cuda)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = open(args.out / "device_e2e.jsonl", "w")  # noqa: SIM115
@@ -205,11 +206,12 @@ def big(w: Path, layers: int, emit: Any, rounds: int = 1, verify: bool = True, s
         t_cp = run(["cp", "-r", str(src), str(w / "cp")]) + run(["sync"])
         shutil.rmtree(w / "cp", ignore_errors=True)  # the disk holds the source, one copy and one output
         env = {**venv, **({"MXFP4CONV_HASHER": hasher} if hasher else {})}
+        device = env.pop("DEVICE", "cuda")
         extra = ["--max-shard-size", shard] if shard else []
         for mode, flags in (("default", []), ("no-verify", ["--no-verify"])) if verify else (("no-verify", ["--no-verify"]),):
             shutil.rmtree(w / "out", ignore_errors=True)
             run(["sync"])
-            t_conv = conv(src, w / "out", "--device", "cuda", *flags, *extra, env=env)
+            t_conv = conv(src, w / "out", "--device", device, *flags, *extra, env=env)
             stages = STAGES.get("out", {})
             row = {"round": r + 1, "command": mode, "cp_s": round(t_cp, 2), "convert_s": round(t_conv, 2),
                    "throughput_vs_cp": round(t_cp / t_conv, 3), "peak_rss_gb": round(RSS["out"] / 1e9, 3),
