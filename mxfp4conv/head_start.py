@@ -37,8 +37,7 @@ from mxfp4conv.io.safetensors_io import read_many
 from mxfp4conv.kernels import requant_native
 from mxfp4conv.layouts.split import LinearRoles, RawBytes, stack_plan, unit_groups, weight_refs
 
-__all__ = ["HeadStart", "RawWeight", "address", "buffer", "first_unit", "global_scale", "make", "mode", "torch_pending",
-           "wanted"]
+__all__ = ["HeadStart", "RawWeight", "first_unit", "make", "mode", "torch_pending", "wanted"]
 
 ENV = "MXFP4CONV_HEAD_START"
 _MX_BLOCK = 32  # formats.mxfp4.MX_BLOCK (that module imports torch)
@@ -110,21 +109,21 @@ def first_unit(units: list[UnitSpec], direct: list[Any], layout: Any) -> tuple[i
     return None
 
 
-def global_scale(ckpt: Checkpoint, name: str) -> float | None:
+def _global(ckpt: Checkpoint, name: str) -> float | None:
     ref = ckpt.tensors.get(name)
     if ref is None or ref.dtype != "F32" or ref.nbytes != 4:
         return None
     return float(struct.unpack("<f", ref.read_bytes())[0])
 
 
-def buffer(n: int) -> RawBytes:
+def _buffer(n: int) -> RawBytes:
     """``n`` bytes for a stack or a result: an anonymous mapping, whose pages are zeroed as the reader
     and kernel threads first write them (GIL released), where a bytearray would be zeroed here, all
     at once, holding the GIL the import of torch needs."""
     return mmap.mmap(-1, n) if n else bytearray()
 
 
-def address(buf: RawBytes | array) -> int:
+def _addr(buf: RawBytes | array) -> int:
     if isinstance(buf, array):
         return int(buf.buffer_info()[0])
     return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)) if len(buf) else 0
@@ -151,7 +150,7 @@ def make(spec: UnitSpec, ckpt: Checkpoint, roles: LinearRoles, rule: str,
         shape, at = stack_plan(ckpt, prefs, num, rows)
         sshape, sat = stack_plan(ckpt, srefs, num, rows)
         g = array("f")
-        gs = [[global_scale(ckpt, f"{m}.{roles.global_scale}") for m in mods] for mods in groups]
+        gs = [[_global(ckpt, f"{m}.{roles.global_scale}") for m in mods] for mods in groups]
         for e in range(num):
             for j, n in enumerate(rows):
                 v = gs[j][e]
@@ -161,11 +160,11 @@ def make(spec: UnitSpec, ckpt: Checkpoint, roles: LinearRoles, rule: str,
         r, kh = shape[0] * shape[1], shape[2]
         if kh * 2 % _MX_BLOCK or sshape[2] * 8 != kh:
             return None
-        packed, scales = buffer(r * kh), buffer(r * kh // 8)
+        packed, scales = _buffer(r * kh), _buffer(r * kh // 8)
         reads += [(ref, memoryview(packed)[off:off + ref.nbytes]) for ref, off in at]
         reads += [(ref, memoryview(scales)[off:off + ref.nbytes]) for ref, off in sat]
-        weights[label] = RawWeight(shape, packed, scales, buffer(r * kh), buffer(r * kh // 16),
-                                   buffer(r * _ROW_STATS * 8))
+        weights[label] = RawWeight(shape, packed, scales, _buffer(r * kh), _buffer(r * kh // 16),
+                                   _buffer(r * _ROW_STATS * 8))
         grows[label] = g
     read_many(reads)
     del reads
@@ -177,8 +176,8 @@ def make(spec: UnitSpec, ckpt: Checkpoint, roles: LinearRoles, rule: str,
         kh = w.shape[2]
         step = max(1, -(-w.rows // (4 * n)))  # few, large calls: each takes the GIL the import holds
         assert w.packed is not None
-        addrs = (address(w.packed), address(w.scales), address(lut), address(grows[label]))
-        outs = (address(w.out), address(w.scales_out), address(w.row_stats))
+        addrs = (_addr(w.packed), _addr(w.scales), _addr(lut), _addr(grows[label]))
+        outs = (_addr(w.out), _addr(w.scales_out), _addr(w.row_stats))
         calls += [(addrs, r0, min(w.rows, r0 + step), kh, outs) for r0 in range(0, w.rows, step)]
 
     def run(c: tuple[tuple[int, int, int, int], int, int, int, tuple[int, int, int]]) -> None:

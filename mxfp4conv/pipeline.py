@@ -11,7 +11,6 @@ import dataclasses
 import hashlib
 import heapq
 import json
-import os
 import shutil
 import threading
 import time
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-from mxfp4conv import __version__, early_write, head_start
+from mxfp4conv import __version__
 from mxfp4conv.check import InlineVerifier, check_structure
 from mxfp4conv.errors import OutputError, StagingError, UsageError
 from mxfp4conv.inspect import SCHEMA_VERSION
@@ -33,9 +32,7 @@ from mxfp4conv.io.safetensors_io import (
     BATCH_BYTES,
     CheckRange,
     FileSlice,
-    InflightBudget,
     ShardStream,
-    Written,
     st_dtype,
 )
 from mxfp4conv.job import (  # re-exported: the options and helpers callers know from here
@@ -214,14 +211,14 @@ class _OpenShard:
 
 
 def _unit_items(spec: UnitSpec, res: UnitResult, job: Job, ctx: WriterContext, verifier: InlineVerifier | None,
-                path: Path) -> tuple[list[torch.Tensor | FileSlice | Written | CheckRange], int]:
+                path: Path) -> tuple[list[torch.Tensor | FileSlice | CheckRange], int]:
     """A unit's items for its shard's stream (its outputs, then, with ``verifier``, the check of their
     bytes, run once they are written) and its output bytes."""
     expect = job.target.out_specs(spec, ctx)
-    items: list[torch.Tensor | FileSlice | Written | CheckRange] = []
+    items: list[torch.Tensor | FileSlice | CheckRange] = []
     nbytes = 0
     for o, t in zip(expect, res.outs, strict=True):
-        if isinstance(t, FileSlice | Written):
+        if isinstance(t, FileSlice):
             nbytes += t.length
             items.append(t)
             continue
@@ -239,30 +236,25 @@ def _unit_items(spec: UnitSpec, res: UnitResult, job: Job, ctx: WriterContext, v
 
 def _write_window(todo: list[tuple[_ShardPlan, str, Path]], job: Job, ctx: WriterContext, report: ConvertReport,
                   on_progress: Progress | None, done: list[int], total: int, verifier: InlineVerifier | None,
-                  fin: ShardFinisher, last: list[tuple[ShardStream, int] | None], head: Head | None = None,
-                  early: _Early | None = None) -> None:
+                  fin: ShardFinisher, last: list[tuple[ShardStream, int] | None], head: Head | None = None) -> None:
     """Produce a window of shards at once, their units interleaved (``interleave``); each shard is
     handed to ``fin`` (hash, checks and fsync finishing on its threads) once its last unit is queued.
     A unit's outputs may be views of one buffer (the GPU path's requant results), which lives until
     its last byte is written: so units are handed over whole, and a unit with computed outputs is
     produced only once the one before the previous is written (``last``: the previous one's stream
-    and end, carried from window to window). ``early``: the window's shards, opened already, and the
-    early writer writing units into them."""
+    and end, carried from window to window)."""
     target = job.target
     sizes = [[sum(t.nbytes for t in target.out_specs(u, ctx)) for u in plan.units] for plan, _, _ in todo]
     order = interleave(sizes)
-    opened: list[_OpenShard] = list(early.opened) if early is not None else []
+    opened: list[_OpenShard] = []
     try:
-        if early is not None:
-            assert [sh.path for sh in opened] == [path for _, _, path in todo]
-        for plan, rel, path in todo if early is None else ():
+        for plan, rel, path in todo:
             remove_tree(path)
             stream = ShardStream(path, [(t.name, t.dtype, t.shape) for t in plan.tensors], target.shard_metadata(ctx),
                                  fin.budget)
             opened.append(_OpenShard(plan, rel, path, stream))
         specs = [opened[i].plan.units[k] for i, k in order]
-        results = unit_results(specs, job, ctx, verifier is not None, head, early.writer if early is not None else None)
-        for (i, _), spec, res in zip(order, specs, results, strict=True):
+        for (i, _), spec, res in zip(order, specs, unit_results(specs, job, ctx, verifier is not None, head), strict=True):
             sh = opened[i]
             report.requant_stats.update(res.stats)
             sh.stats.update(res.stats)
@@ -270,8 +262,6 @@ def _write_window(todo: list[tuple[_ShardPlan, str, Path]], job: Job, ctx: Write
                 report.requantized_on[res.device] = report.requantized_on.get(res.device, 0) + 1
             if res.head_start and report.compute is not None:
                 report.compute["head_start"] = spec.key
-            if res.early and report.compute is not None:
-                report.compute["early_write"] = report.compute.get("early_write", 0) + 1
             report.seconds["read"] = report.seconds.get("read", 0.0) + res.t_read
             report.seconds["transform"] = report.seconds.get("transform", 0.0) + res.t_transform
             items, nbytes = _unit_items(spec, res, job, ctx, verifier, sh.path)
@@ -322,15 +312,16 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
     # a GPU named outright starts (torch's import, CUDA) beside the planning; ``auto`` only once
     # the plan shows a requant, so renames never import torch
     early = not opts.dry_run and (opts.device.startswith("cuda") or any(d.startswith("cuda") for d in opts.devices))
-    started = _start_device(opts) if early else None
+    if early:
+        _start_device(opts)
     job = prepare(src, opts)
     if needs_device(job.ctx) and not early:
-        started = _start_device(opts)
+        _start_device(opts)
     shard_plans = [(folder, rctx, plan_shards(job.target, rctx, job.plan, opts.max_shard_size, folder))
                    for _, folder, rctx in job.rank_contexts()]
-    head = None if _early_wanted(job, Path(dst)) else _head_start(job, shard_plans, Path(dst))
+    head = _head_start(job, shard_plans, Path(dst))  # before the device is resolved, which waits for torch
     try:
-        return _convert(src, Path(dst), job, shard_plans, head, t_start, on_progress, started)
+        return _convert(src, Path(dst), job, shard_plans, head, t_start, on_progress)
     finally:
         if head is not None:
             head.cancel()  # a conversion that ended before taking it (an error, a current output)
@@ -349,131 +340,15 @@ def _head_start(job: Job, shard_plans: list[tuple[str, WriterContext, list[_Shar
     return start_head(job, [shards[group[i]].units[k] for i, k in interleave(sizes)])
 
 
-@dataclass
-class _Early:
-    """The early writer (``early_write.py``) at work: the first window's shards, opened for it, and
-    the budget of queued bytes they were opened with."""
-
-    writer: early_write.EarlyWriter
-    opened: list[_OpenShard]
-    budget: InflightBudget
-
-    def abort(self) -> None:
-        """The conversion failed: the child ends (it writes nothing more), and the threads of shards not
-        finished yet stop."""
-        self.writer.close()
-        for sh in self.opened:
-            if sh.fed < len(sh.plan.units):
-                sh.stream.abort()
-
-
-def _gpu_asked(opts: ConvertOptions) -> bool:
-    return opts.device.startswith("cuda") or any(d.startswith("cuda") for d in opts.devices) or (
-        opts.device == "auto" and os.path.exists("/dev/nvidiactl"))
-
-
-def _early_wanted(job: Job, dst: Path) -> bool:
-    """Whether this conversion starts the early writer (``early_write.py``): a run that writes every
-    shard afresh and requantizes NVFP4 in one output folder; with ``auto``, in a fresh process (torch
-    not imported yet) that converts on a GPU."""
-    opts = job.opts
-    try:
-        m = early_write.mode()
-    except ValueError as exc:
-        raise UsageError(str(exc), hint=f"unset {early_write.ENV}") from exc
-    if m == "off" or opts.dry_run or opts.partition is not None or opts.resume or opts.finish \
-            or (opts.skip_if_current and (dst / MANIFEST).exists()) or not needs_device(job.ctx) \
-            or job.ctx.target_options.keep_nvfp4 or len(job.target.ranks(job.ctx)) != 1 \
-            or getattr(job.layout, "nvfp4_roles", None) is None:
-        return False
-    return m == "on" or (head_start.torch_pending() and _gpu_asked(opts))
-
-
-def _early_start(job: Job, shard_plans: list[tuple[str, WriterContext, list[_ShardPlan]]], staging: Path,
-                 started: threading.Thread | None) -> _Early | None:
-    """Open the first window's shards and start the early writer on its NVFP4 units that the compiled
-    kernel makes and the target lays out as whole rows (``Target.raw_pieces``); None when there are
-    none, or the kernel or the child cannot run here."""
-    from mxfp4conv.kernels import requant_native
-
-    try:
-        if requant_native.load() is None:
-            return None
-    except (OSError, ValueError):
-        return None
-    folder, rctx, shards = shard_plans[0]
-    if not shards:
-        return None
-    target, ckpt = job.target, job.ckpt
-    group = windows(len(shards), SHARD_WINDOW)[0]
-    sizes = [[sum(t.nbytes for t in target.out_specs(u, rctx)) for u in shards[g].units] for g in group]
-    out_dir = staging / folder if folder else staging
-    out_dir.mkdir(exist_ok=True)
-    budget = InflightBudget()
-    opened: list[_OpenShard] = []
-    try:
-        for g in group:
-            plan = shards[g]
-            path = out_dir / plan.file
-            remove_tree(path)
-            stream = ShardStream(path, [(t.name, t.dtype, t.shape) for t in plan.tensors], target.shard_metadata(rctx),
-                                 budget)
-            opened.append(_OpenShard(plan, f"{folder}/{plan.file}" if folder else plan.file, path, stream))
-        firsts: list[dict[str, int]] = []  # each shard's units' first tensor, by unit key
-        for sh in opened:
-            at, n = {}, 0
-            for u in sh.plan.units:
-                at[u.key] = n
-                n += len(target.out_specs(u, rctx))
-            firsts.append(at)
-        offsets = [sh.stream.offsets() for sh in opened]
-        units: list[early_write.Unit] = []
-        stats_at, total = 16, 0
-        for i, k in interleave(sizes):
-            spec = opened[i].plan.units[k]
-            pieces = target.raw_pieces(spec, rctx)
-            roles = job.layout.nvfp4_roles(spec)
-            if pieces is None or roles is None or roles.quant != "nvfp4" or roles.scale_dtype != "F8_E4M3" \
-                    or not roles.global_scale or direct_slices(spec, ckpt, target, rctx) is not None:
-                continue
-            first = firsts[i][spec.key]
-            made = early_write.plan_unit(ckpt, spec, roles, pieces, i, offsets[i][first:first + len(pieces)], stats_at)
-            if made is None:
-                continue
-            units.append(made)
-            stats_at += early_write.stats_bytes(made)
-            total += made.nbytes
-            if total >= early_write.MAX_BYTES:
-                break
-        writer = early_write.start(units, [sh.path for sh in opened], job.opts.scale_rule,
-                                   ready=started.join if started is not None else None)
-    except BaseException:
-        for sh in opened:
-            sh.stream.abort()
-        raise
-    if writer is None:
-        for sh in opened:
-            sh.stream.abort()
-            remove_tree(sh.path)
-        return None
-    return _Early(writer, opened, budget)
-
-
-def _resolved(job: Job, report: ConvertReport) -> Job:
-    """The job with its device resolved (``auto``: waits for torch's import) and ``report.compute`` set."""
-    opts = dataclasses.replace(job.opts, device=resolve_device(job.opts.device, needs_device(job.ctx)))
-    if needs_device(job.ctx):
-        report.compute = {"devices": devices(opts), "cpu_kernel": cpu_kernel(opts.device, not opts.dry_run)}
-    return job.with_options(opts)
-
-
 def _convert(src: str | Path, dst: Path, job: Job, shard_plans: list[tuple[str, WriterContext, list[_ShardPlan]]],
-             head: Head | None, t_start: float, on_progress: Progress | None,
-             started: threading.Thread | None = None) -> ConvertReport:
-    """``convert`` once SRC is planned: skip / dry run / write, prove, publish. The device is resolved
-    (which waits for torch) only once the early writer, when wanted, is writing."""
+             head: Head | None, t_start: float, on_progress: Progress | None) -> ConvertReport:
+    """``convert`` once SRC is planned: options resolved, then skip / dry run / write, prove, publish."""
     opts, ctx, plan, target = job.opts, job.ctx, job.plan, job.target
+    opts = dataclasses.replace(opts, device=resolve_device(opts.device, needs_device(ctx)))
+    job = job.with_options(opts)
     report = ConvertReport(str(src), str(dst), plan.layout, target.NAME, "dry-run" if opts.dry_run else "converted")
+    if needs_device(ctx):
+        report.compute = {"devices": devices(opts), "cpu_kernel": cpu_kernel(opts.device, not opts.dry_run)}
     fingerprint: dict[str, Any] = {"tool": __version__, "source": source_fingerprint(job.ckpt),
                                    "options": opts.fingerprint_dict()}
     if needs_device(ctx):
@@ -484,7 +359,6 @@ def _convert(src: str | Path, dst: Path, job: Job, shard_plans: list[tuple[str, 
         except (OSError, ValueError):
             old = {}
         if old.get("fingerprint") == fingerprint:
-            _resolved(job, report)
             report.status = "skipped"
             report.seconds["total"] = time.perf_counter() - t_start
             return report
@@ -493,35 +367,16 @@ def _convert(src: str | Path, dst: Path, job: Job, shard_plans: list[tuple[str, 
     check_destination(job.ckpt.root, dst, overwrite=opts.overwrite or opts.skip_if_current)
     _fill_plan_report(report, plan, target, ctx, shard_plans)
     if opts.dry_run:
-        _resolved(job, report)
         report.seconds["total"] = time.perf_counter() - t_start
         return report
 
     staging = staging_path(dst)
+    finished = prepare_staging(staging, fingerprint, opts)
     keep_staging = opts.resume or opts.partition is not None or opts.finish
-    early: _Early | None = None
-    if _early_wanted(job, dst):
-        prepare_staging(staging, fingerprint, opts)
-        try:
-            early = _early_start(job, shard_plans, staging, started)
-        except BaseException:
-            remove_tree(staging)
-            raise
-    try:
-        job = _resolved(job, report)
-    except BaseException:
-        if early is not None:
-            early.abort()
-            remove_tree(staging)
-        raise
-    opts = job.opts
-    finished = prepare_staging(staging, fingerprint, opts) if early is None else {}
     verifier = InlineVerifier(target, str(src), str(dst)) if opts.verify else None
     try:
         outputs, reused = _write_all(job, shard_plans, staging, report, on_progress, (finished, fingerprint), verifier,
-                                     head, early)
-        if early is not None:
-            early.writer.close()
+                                     head)
         if opts.partition is not None:
             report.status = "partial"
             report.seconds["total"] = time.perf_counter() - t_start
@@ -547,21 +402,15 @@ def _convert(src: str | Path, dst: Path, job: Job, shard_plans: list[tuple[str, 
         (staging / MANIFEST).write_bytes(json_bytes(manifest))
         publish(staging, dst)
     except OutputError:
-        if early is not None:
-            early.abort()
         if opts.partition is None:  # e.g. a full disk: nothing worth resuming; other partitions' shards are kept
             remove_tree(staging)
         raise
     except OSError as exc:  # JSON files, copied extras, manifest, publish
-        if early is not None:
-            early.abort()
         if opts.partition is None:
             remove_tree(staging)
         raise OutputError(f"cannot write the output: {exc.strerror or exc}", file=str(getattr(exc, "filename", None) or dst),
                           hint="free disk space or choose another destination") from exc
     except BaseException:
-        if early is not None:
-            early.abort()
         if not keep_staging:
             remove_tree(staging)
         raise
@@ -622,16 +471,13 @@ def _fill_plan_report(report: ConvertReport, plan: Plan, target: Target, ctx: Wr
 def _write_all(job: Job, shard_plans: list[tuple[str, WriterContext, list[_ShardPlan]]], staging: Path,
                report: ConvertReport, on_progress: Progress | None,
                resume: tuple[dict[str, dict[str, Any]], dict[str, Any]],
-               verifier: InlineVerifier | None, head: Head | None = None,
-               early: _Early | None = None) -> tuple[dict[str, str], bool]:
+               verifier: InlineVerifier | None, head: Head | None = None) -> tuple[dict[str, str], bool]:
     """Write every shard (or this partition's) into ``staging``: (sha256 per output file, whether a
-    finished shard of an earlier run was reused). ``early``: the first window is open already."""
+    finished shard of an earlier run was reused)."""
     finished, fingerprint = resume
     opts, ckpt, target = job.opts, job.ckpt, job.target
     outputs: dict[str, str] = {}
     fin = ShardFinisher(progress_file(staging, opts), fingerprint, report, outputs)
-    if early is not None:
-        fin.budget = early.budget  # the budget the first window's shards were opened with
     total = sum(s.nbytes for _, _, shards in shard_plans for s in shards)
     if job.needs_device and devices(opts)[0].startswith("cuda"):
         # GPU outputs are produced far faster than the disk takes them: a unit's worth queued keeps
@@ -670,8 +516,7 @@ def _write_all(job: Job, shard_plans: list[tuple[str, WriterContext, list[_Shard
                 todo.append((shard, rel, path))
             for group in windows(len(todo), SHARD_WINDOW):
                 _write_window([todo[g] for g in group], job, rctx, report, on_progress, done, total, verifier, fin, last,
-                              head, early)
-                early = None  # the first window only
+                              head)
                 fin.settle(len(group))  # the previous window's shards, whose hash and fsync overlapped this one
             fin.settle()
             if opts.partition is not None:

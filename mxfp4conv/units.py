@@ -20,11 +20,10 @@ from typing import Any
 from mxfp4conv import head_start
 from mxfp4conv.canonical import Canonical, FP4Weight
 from mxfp4conv.canonicalize import to_mxfp4
-from mxfp4conv.early_write import EarlyWriter
 from mxfp4conv.errors import InputError, UsageError
-from mxfp4conv.head_start import HeadStart, buffer
+from mxfp4conv.head_start import HeadStart
 from mxfp4conv.io.checkpoint import Checkpoint
-from mxfp4conv.io.safetensors_io import FileSlice, Written, read_many
+from mxfp4conv.io.safetensors_io import FileSlice
 from mxfp4conv.job import Job, devices, direct_slices, needs_device
 from mxfp4conv.writers import WriterContext
 from mxfp4conv.writers.base import UnitSpec
@@ -42,7 +41,6 @@ class UnitResult:
     want: Canonical | None = None
     device: str = ""  # where the unit was requantized ("" when it was not)
     head_start: bool = False  # made while torch was imported (``head_start.py``)
-    early: bool = False  # made and written by the early writer (``early_write.py``)
 
 
 def _read(spec: UnitSpec, job: Job, ctx: WriterContext, device: str = "cpu") -> tuple[Any, float]:
@@ -186,54 +184,6 @@ def _adopt(hs: HeadStart, spec: UnitSpec, job: Job, ctx: WriterContext, check: b
     return res
 
 
-def _adopt_early(spec: UnitSpec, job: Job, ctx: WriterContext, check: bool, device: str,
-                 early: EarlyWriter) -> UnitResult:
-    """A unit the early writer made (``early_write.py``): its bytes are in the shard already
-    (``Written``). Its source's block scales are read and validated as any unit's, its statistics folded
-    from the child's row statistics; the check compares the file with the unit re-derived from SRC
-    on ``device`` (a second requantization, independent of the child's). A unit the child did not
-    finish (it failed) is made here as usual, its bytes written over the child's."""
-    import torch
-
-    from mxfp4conv.layouts.split import RawBytes, read_split_unit, stack_plan, unit_groups, weight_refs
-
-    t0 = time.perf_counter()
-    if not early.wait(spec):
-        return _transform(spec, job, ctx, device, check)
-    roles = job.layout.nvfp4_roles(spec)
-    groups = unit_groups(spec)
-    stacks: dict[str, tuple[RawBytes | None, RawBytes]] = {}
-    reads = []
-    for label, g in groups.items():
-        _, srefs, num, rows = weight_refs(job.ckpt, g, roles)
-        shape, at = stack_plan(job.ckpt, srefs, num, rows)
-        scales = buffer(shape[0] * shape[1] * shape[2])
-        reads += [(ref, memoryview(scales)[off:off + ref.nbytes]) for ref, off in at]
-        stacks[label] = (None, scales)
-    read_many(reads)
-    del reads
-    unit = read_split_unit(job.ckpt, spec, roles, raw=stacks)
-    done = {}
-    for w in early.units[spec.key].weights:  # the results are in the file: shapes only (meta tensors)
-        done[w.label] = (torch.empty(w.rows, w.kh, dtype=torch.uint8, device="meta"),
-                         torch.empty(w.rows, w.kh // 16, dtype=torch.uint8, device="meta"),
-                         torch.frombuffer(early.row_stats(spec, w.label), dtype=torch.float64).view(w.rows, 5))
-    t_read = time.perf_counter() - t0
-    res = _transform_on(unit, spec, job, ctx, "cpu", t_read, False, done)
-    del done, unit, stacks
-    early.release(spec)
-    res.outs = [Written(o.nbytes) for o in job.target.out_specs(spec, ctx)]
-    res.early, res.device = True, "cpu"
-    if check:
-        if device.startswith("cuda"):
-            with torch.cuda.device(torch.device(device)):
-                source = job.layout.read(job.ckpt, spec, device=read_onto(spec, job.ckpt, device))
-                res.want = requant_on_device(source, job.opts.scale_rule, device)
-        else:
-            res.want = to_mxfp4(job.layout.read(job.ckpt, spec), rule=job.opts.scale_rule, device="cpu")[0]
-    return res
-
-
 def requant_on_device(unit: Canonical, rule: str, device: str) -> Canonical:
     """The unit's NVFP4 weights requantized to MXFP4 on ``device``, results left there (no host
     staging): the reference the post-write check compares the written bytes with. The same bytes
@@ -285,23 +235,15 @@ def read_ahead(sizes: list[int], limit: int) -> list[int]:
 
 
 def unit_results(units: list[UnitSpec], job: Job, ctx: WriterContext, check: bool,
-                 head: Head | None = None, early: EarlyWriter | None = None) -> Iterator[UnitResult]:
+                 head: Head | None = None) -> Iterator[UnitResult]:
     """The units' results in order (see the module docstring); ``head``'s unit, the first time it comes,
-    is taken from the head start; the units ``early`` made are taken as written."""
+    is taken from the head start."""
     devs = devices(job.opts)
-    if early is not None:
-        early.claim()  # the child stops here: from now on units are made by this process
-
-    def taken(spec: UnitSpec) -> UnitResult | None:
-        if early is not None and early.owns(spec):
-            return _adopt_early(spec, job, ctx, check, devs[0], early)
-        return None
-
     if len(devs) == 1:
         direct = [direct_slices(spec, job.ckpt, job.target, ctx) for spec in units]
         sizes = read_sizes(units, direct, job.ckpt)
         upto = read_ahead(sizes, max(sizes, default=0))
-        mine = [(head is not None and head.owns(spec)) or (early is not None and early.owns(spec)) for spec in units]
+        mine = [head is not None and head.owns(spec) for spec in units]
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4conv-read") as reader:
             ahead: dict[int, Future[tuple[Any, float]]] = {}
             nxt = 0
@@ -311,11 +253,8 @@ def unit_results(units: list[UnitSpec], job: Job, ctx: WriterContext, check: boo
                         ahead[nxt] = reader.submit(_read, units[nxt], job, ctx, devs[0])
                     nxt += 1
                 if mine[i]:
-                    got = taken(spec)
-                    if got is None:
-                        assert head is not None
-                        got = head.take(spec, job, ctx, devs[0], check)
-                    yield got
+                    assert head is not None
+                    yield head.take(spec, job, ctx, devs[0], check)
                     continue
                 source = ahead.pop(i).result() if direct[i] is None else (direct[i], 0.0)
                 yield _transform(spec, job, ctx, devs[0], check, source)
@@ -324,9 +263,7 @@ def unit_results(units: list[UnitSpec], job: Job, ctx: WriterContext, check: boo
         window: deque[Future[UnitResult]] = deque()
         for i, spec in enumerate(units):
             dev = devs[i % len(devs)]
-            if early is not None and early.owns(spec):
-                window.append(pool.submit(_adopt_early, spec, job, ctx, check, dev, early))
-            elif head is not None and head.owns(spec):
+            if head is not None and head.owns(spec):
                 window.append(pool.submit(head.take, spec, job, ctx, dev, check))
             else:
                 window.append(pool.submit(_transform, spec, job, ctx, dev, check))

@@ -48,7 +48,6 @@ __all__ = [  # and DTYPES, built lazily by the module __getattr__
     "InflightBudget",
     "ShardStream",
     "TensorRef",
-    "Written",
     "load_json",
     "read_full",
     "read_header",
@@ -157,15 +156,6 @@ class CheckRange:
 
     fn: Callable[[int, int, int], None]
     hold: int = 0
-
-
-@dataclass(frozen=True)
-class Written:
-    """The next tensor's bytes, already in the shard: another process wrote them at their planned
-    offset (the early writer, ``mxfp4conv/early_write.py``). The shard's writer moves past them; its
-    hasher and check read them from the file, as they read computed bytes."""
-
-    length: int
 
 
 # Called on the check thread as (shard path, begin, end) just before a range is checked: a test hook
@@ -562,15 +552,6 @@ class ShardStream:
             raise
         self._pos = self._checked = len(head)  # file offset of the next byte; end of the last checked range
 
-    def offsets(self) -> list[int]:
-        """Each planned tensor's file offset (the header's length, then the tensors in order)."""
-        assert not self._count, "asked before the first tensor is fed"
-        out, pos = [], self._pos
-        for _, _, _, nbytes in self._sized:
-            out.append(pos)
-            pos += nbytes
-        return out
-
     def _flush(self) -> None:
         if self._slices:
             self._writer.put(tuple(self._slices))
@@ -589,9 +570,8 @@ class ShardStream:
         the error the shard's threads met."""
         self._writer.wait_written(pos)
 
-    def feed(self, item: bytes | torch.Tensor | FileSlice | CheckRange | Written) -> None:
-        """The next tensor's bytes (a buffer, a tensor, a source byte range, or bytes already in the
-        file), or a check marker."""
+    def feed(self, item: bytes | torch.Tensor | FileSlice | CheckRange) -> None:
+        """The next tensor's bytes (a buffer, a tensor or a source byte range), or a check marker."""
         w = self._writer
         if isinstance(item, CheckRange):
             self._flush()
@@ -602,15 +582,11 @@ class ShardStream:
             raise AssertionError(f"planned {len(self._sized)} tensors, produced more")
         name, dtype, shape, nbytes = self._sized[self._count]
         self._count += 1
-        raw = item if isinstance(item, FileSlice | Written) else _as_bytes(item)
-        size = raw.length if isinstance(raw, FileSlice | Written) else len(raw)
+        raw = item if isinstance(item, FileSlice) else _as_bytes(item)
+        size = raw.length if isinstance(raw, FileSlice) else len(raw)
         if size != nbytes:
             raise AssertionError(f"{name}: produced {size} bytes, planned {nbytes} ({dtype}{list(shape)})")
         self._pos += size
-        if isinstance(raw, Written):
-            self._flush()
-            w.put(raw)
-            return
         if isinstance(raw, FileSlice):
             if self._bufs:
                 w.put(self._bufs)
@@ -732,8 +708,7 @@ class _BackgroundWriter:
         # source files open for the writer (0) and the hasher (1) thread, one descriptor per thread and
         # file for the shard's lifetime: a ct-mxfp4 rename copies ~10,000 small tensors
         self._fds: tuple[dict[Path, int], dict[Path, int]] = ({}, {})
-        self._wq: queue.Queue[bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | Written | None] = (
-            queue.Queue())
+        self._wq: queue.Queue[bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | None] = queue.Queue()
         self._hq: queue.Queue[int | tuple[FileSlice, ...] | None] = queue.Queue()  # buffers by size
         self._cq: queue.Queue[tuple[CheckRange, int, int] | None] = queue.Queue()  # ranges to check
         self._checks = 0
@@ -756,7 +731,7 @@ class _BackgroundWriter:
     def _write_loop(self) -> None:
         while (raw := self._wq.get()) is not None:
             size = _size(raw)
-            held = 0 if isinstance(raw, tuple | Written) else size  # slices hold no memory
+            held = 0 if isinstance(raw, tuple) else size  # slices hold no memory
             wrote = False
             try:
                 if self._error is None:
@@ -764,9 +739,6 @@ class _BackgroundWriter:
                     if isinstance(raw, tuple):
                         for run, parts in copy_runs(raw):
                             self._copy(run, parts)
-                    elif isinstance(raw, Written):
-                        os.lseek(self._fh.fileno(), raw.length, os.SEEK_CUR)
-                        self._wb.advance(raw.length)
                     else:
                         self._write(raw)
                     self._busy[0] += time.perf_counter() - t0
@@ -946,18 +918,17 @@ class _BackgroundWriter:
         if self._error is not None:
             raise self._error
 
-    def put(self, raw: bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | Written) -> None:
-        """Queue one buffer, a batch of buffers (a list), a batch of byte-range copies (a tuple) or a
-        range already in the file (``Written``)."""
+    def put(self, raw: bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...]) -> None:
+        """Queue one buffer, a batch of buffers (a list) or a batch of byte-range copies (a tuple)."""
         self._raise()
-        size = 0 if isinstance(raw, tuple | Written) else _size(raw)  # slices and written ranges hold no memory
+        size = 0 if isinstance(raw, tuple) else _size(raw)  # slices hold no memory
         b = self._budget
         with b.cond:
             while b.used and b.used + size > b.limit and self._error is None:
                 b.cond.wait()
             b.used += size
         self._wq.put(raw)
-        self._hq.put(raw if isinstance(raw, tuple) else _size(raw))
+        self._hq.put(raw if isinstance(raw, tuple) else size)
 
     def wait_written(self, pos: int) -> None:
         """Wait until the writer has written the file's first ``pos`` bytes; raise its error if any."""
@@ -1013,10 +984,8 @@ class _BackgroundWriter:
             self._fh.close()
 
 
-def _size(raw: bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | Written) -> int:
-    """Bytes of a queued item: a buffer, a batch of buffers, a batch of copies or a written range."""
-    if isinstance(raw, Written):
-        return raw.length
+def _size(raw: bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...]) -> int:
+    """Bytes of a queued item: a buffer, a batch of buffers or a batch of copies."""
     if isinstance(raw, tuple):
         return sum(s.length for s in raw)
     if isinstance(raw, list):

@@ -126,13 +126,6 @@ class Target:
     def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
         return Passthrough(spec.key, get(self.passthrough_name(spec.key, ctx)))
 
-    def raw_pieces(self, spec: UnitSpec, ctx: WriterContext) -> list[tuple[str, str, int, int]] | None:
-        """Where each output tensor of an FP4 unit lies in its weights' requantized rows, when each is a
-        run of whole rows as the kernel leaves them: (weight ``w13``/``w2``/``weight``, ``p`` codes or
-        ``s`` scales, first row, rows), in ``out_specs`` order. The early writer
-        (``mxfp4conv/early_write.py``) writes such units without torch; None (the default): it does not."""
-        return None
-
     def verify_unit(self, want: Canonical, spec: UnitSpec, ctx: WriterContext, get: Getter
                     ) -> list[dict[str, str]] | None:
         """Differences between ``want`` (what SRC yields) and what DST holds, for targets whose bytes do not
@@ -174,17 +167,6 @@ def moe_split_encode(unit: MoELayer) -> list[torch.Tensor]:
             out += [w.packed[e, rows], w.scales[e, rows]]
             if b is not None:
                 out.append(b[e, rows])
-    return out
-
-
-def moe_split_pieces(spec: UnitSpec) -> list[tuple[str, str, int, int]]:
-    """``moe_split_encode``'s tensors as row runs of the requantized w13 ``[E * 2I]`` and w2 ``[E * H]``
-    (``Target.raw_pieces``; a test holds the two to the same bytes)."""
-    e_num, h, i = spec.dims
-    out: list[tuple[str, str, int, int]] = []
-    for e in range(e_num):
-        for label, row0, rows in (("w13", e * 2 * i, i), ("w13", e * 2 * i + i, i), ("w2", e * h, h)):
-            out += [(label, "p", row0, rows), (label, "s", row0, rows)]
     return out
 
 
@@ -265,16 +247,6 @@ class SplitTarget(Target):
         if spec.kind == "dense":
             return dense_specs(spec, self.PACKED, self.SCALE)
         return super().out_specs(spec, ctx)
-
-    def raw_pieces(self, spec: UnitSpec, ctx: WriterContext) -> list[tuple[str, str, int, int]] | None:
-        cls = type(self)
-        if spec.has_bias or cls.encode is not SplitTarget.encode or cls.out_specs is not SplitTarget.out_specs:
-            return None  # a bias, or a subclass's own tensors
-        if spec.kind == "moe":
-            return moe_split_pieces(spec)
-        if spec.kind == "dense":
-            return [("weight", "p", 0, spec.dims[0]), ("weight", "s", 0, spec.dims[0])]
-        return None
 
     def encode(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> list[torch.Tensor]:
         if isinstance(unit, MoELayer):
