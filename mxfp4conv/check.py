@@ -201,7 +201,9 @@ def _getter(fd: int, where: dict[str, tuple[int, OutTensor]], spec: UnitSpec, e0
     return get
 
 
-STAGE_BYTES = 32 << 20  # the pinned buffer a unit's bytes pass through on their way to the device
+# The pinned buffer a unit's bytes pass through on their way to the device: page-locked memory counts
+# in the peak RSS (BENCHMARKS.md, "Peak RSS with the proof")
+STAGE_BYTES = 8 << 20
 # Shared by every shard's check thread (the shards of a window and the previous window's check at
 # once): at most STAGES page-locked buffers, taken in turn, whatever the number of threads.
 STAGES = 2
