@@ -507,12 +507,12 @@ def fits_on_device(nbytes: int, device: str) -> bool:
     return nbytes * RESIDENT_SHARE <= torch.cuda.get_device_properties(torch.device(device)).total_memory
 
 
-def _requant_resident(w: FP4Weight, rule: ScaleRule, device: str) -> tuple[FP4Weight, RequantStats]:
+def _requant_resident(w: FP4Weight, rule: ScaleRule, device: str, keep: bool = False) -> tuple[FP4Weight, RequantStats]:
     """The GPU path for a weight that fits on the device: moved there unless read there already,
-    requantized in one launch, the results copied back into one exact-size page-locked buffer of the
-    pool (``io.pinned.HostSlabs``: reused once written, where page-locked memory sized by the unit
-    was most of the GPU path's peak RSS). The scales are validated from the row maxima computed on
-    the device, before anything is returned."""
+    requantized in one launch. With ``keep`` the results stay on the device (the shard writer copies
+    them back a few MB at a time: ``io.device_write``); else they are copied back into one exact-size
+    page-locked buffer of the pool (``io.pinned.HostSlabs``). The scales are validated from the row
+    maxima computed on the device, before anything is returned."""
     from mxfp4conv.io.pinned import host_slabs
     from mxfp4conv.kernels.requant_triton import requant_rows
 
@@ -526,6 +526,13 @@ def _requant_resident(w: FP4Weight, rule: ScaleRule, device: str) -> tuple[FP4We
         g = w.global_rows.reshape(-1).float().to(dev)
         po, so, st = requant_rows(p, sc, g, w.global_is_divisor, rule)
         row_max = torch.amax(torch.bitwise_and(sc, 0x7F), dim=1).cpu().view(lead)
+        if keep:
+            host_st = st.cpu()
+            problem = validate_nvfp4_scales(w.scales, w.global_rows, divisor=w.global_is_divisor, row_max=row_max)
+            if problem is not None:
+                raise ValueError(f"invalid NVFP4 input: {problem}")
+            stats = RequantStats.from_row_stats(host_st, k // MX_BLOCK)
+            return FP4Weight("mxfp4", po.view(*lead, kh), so.view(*lead, k // MX_BLOCK)), stats
         # one buffer: row statistics first (8-byte aligned), then codes, then scales
         n_st, n_p, n_s = st.numel() * 8, po.numel(), so.numel()
         slab = host_slabs().take(n_st + n_p + n_s)
@@ -547,6 +554,7 @@ def requant_nvfp4_to_mxfp4(
     device: str = "cpu",
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     done: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    keep_on_device: bool = False,
 ) -> tuple[FP4Weight, RequantStats]:
     """Requantize an NVFP4 weight ``[..., N, K]`` to MXFP4, ``chunk_rows`` rows at a time.
 
@@ -557,7 +565,8 @@ def requant_nvfp4_to_mxfp4(
     (uint8 packed ``[..., N, K/2]``, E8M0 scales ``[..., N, K/32]``, on the CPU) and the statistics.
     ``done``: the rows' results computed already by the compiled kernel (``packed_out [R, K/2]``,
     ``scales_out [R, K/32]``, ``row_stats [R, 5]``: the head start, ``mxfp4conv/head_start.py``), taken
-    once the input is validated, their statistics folded as the chunks' are.
+    once the input is validated, their statistics folded as the chunks' are. ``keep_on_device``: a
+    weight requantized whole on a GPU returns its results there (the same bytes, not copied back).
     """
     if w.quant != "nvfp4" or w.global_rows is None:
         raise ValueError("requant_nvfp4_to_mxfp4 needs an NVFP4 weight with global_rows")
@@ -570,7 +579,7 @@ def requant_nvfp4_to_mxfp4(
         raise ValueError(f"K={k} is not a multiple of {MX_BLOCK}")
     if device.startswith("cuda") and done is None:
         if w.packed.numel() and fits_on_device(w.packed.numel() + w.scales.numel(), device):
-            return _requant_resident(w, rule, device)
+            return _requant_resident(w, rule, device, keep_on_device)
         from mxfp4conv.kernels.requant_triton import requant_nvfp4_gpu_chunks
 
         # H2D, kernel and D2H of row chunks overlap on three streams; outputs land in pinned memory.

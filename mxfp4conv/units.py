@@ -92,7 +92,8 @@ def _transform_on(unit: Any, spec: UnitSpec, job: Job, ctx: WriterContext, devic
     source = unit
     if not ctx.target_options.keep_nvfp4:
         try:
-            unit, stats = to_mxfp4(unit, rule=opts.scale_rule, device=device, done=done)
+            unit, stats = to_mxfp4(unit, rule=opts.scale_rule, device=device, done=done,
+                                   keep_on_device=device.startswith("cuda") and job.target.ENCODES_ON_DEVICE)
         except ValueError as exc:  # invalid NVFP4 scales: name the unit and the first source file
             ref = ckpt.tensors[spec.sources[0]]
             raise InputError(str(exc), file=ckpt.rel(ckpt.tensors[bad].file) if (bad := _scale_tensor(ckpt, spec)) in ckpt.tensors else ckpt.rel(ref.file), tensor=bad,

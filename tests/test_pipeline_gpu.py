@@ -44,6 +44,22 @@ def test_gpu_convert_matches_cpu(tmp_path: Path, layout: str, rule: str) -> None
     assert verify_output(src, tmp_path / "cpu", device="cuda:0").ok
 
 
+@pytest.mark.parametrize("target", ["quark", "ct"])
+def test_gpu_targets_match_cpu_with_mixed_units(tmp_path: Path, target: str) -> None:
+    """Targets whose encode runs on the device (``Target.ENCODES_ON_DEVICE``), on a DeepSeek-R1 NVFP4
+    replica: MoE, shared-expert and dense NVFP4 Linears, BF16 and pass-through tensors between them.
+    The CPU's bytes, verified."""
+    from tests.replicas.deepseek import modelopt_nvfp4_r1
+
+    src = modelopt_nvfp4_r1(tmp_path / "src").path
+    trees = {}
+    for name, dev in (("cpu", "cpu"), ("cuda0", "cuda:0")):
+        report = convert(src, tmp_path / name, ConvertOptions(target=target, device=dev, max_shard_size=300_000))
+        assert report.verify and report.verify["ok"], report.verify
+        trees[name] = tree_hashes(tmp_path / name)
+    assert trees["cuda0"] == trees["cpu"]
+
+
 def test_gpu_inline_proof_catches_a_flipped_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the GPU the check compares each requantized unit's written bytes with a second,
     device-resident requantization: a byte flipped between write and check fails with nothing published."""

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     import torch
 
 from mxfp4conv.errors import InputError, OutputError
-from mxfp4conv.io import hash_native
+from mxfp4conv.io import device_write, hash_native
+from mxfp4conv.io.device_write import DeviceBytes
 
 __all__ = [  # and DTYPES, built lazily by the module __getattr__
     "CHECK_HOOK",
@@ -532,7 +533,9 @@ class ShardStream:
     ``budget`` (1 GiB by default; the hasher reads computed bytes back from the file once written and
     holds none). A ``CheckRange`` fed between tensors queues a check of the bytes since the previous
     one, run on a third thread once they are written. Several streams can be open at once, fed by one
-    producer in any interleaving: each file has its own threads, so their sha256s run in parallel."""
+    producer in any interleaving: each file has its own threads, so their sha256s run in parallel.
+    Tensors on a GPU are written from there: consecutive ones are gathered into one device buffer,
+    which the writer thread copies back a few MB at a time (``device_write``; no host budget held)."""
 
     def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None, budget: InflightBudget | None = None) -> None:
@@ -543,6 +546,7 @@ class ShardStream:
         self._slices: list[FileSlice] = []
         self._bufs: list[bytes | memoryview] = []
         self._held = 0  # bytes of the batch being gathered
+        self._dev: list[torch.Tensor] = []  # consecutive tensors on a GPU: written through device_write
         self._count = 0
         try:
             head = _header_bytes(self._sized, metadata)
@@ -557,7 +561,14 @@ class ShardStream:
             self._writer.put(tuple(self._slices))
         if self._bufs:
             self._writer.put(self._bufs)
+        self._put_device()
         self._slices, self._bufs, self._held = [], [], 0
+
+    def _put_device(self) -> None:
+        if self._dev:
+            span = device_write.gather(self._dev)
+            self._dev = []
+            self._writer.put(span)
 
     def flush(self) -> int:
         """Hand the batch being gathered to the writer now (at the end of a unit, so that no part of
@@ -571,7 +582,8 @@ class ShardStream:
         self._writer.wait_written(pos)
 
     def feed(self, item: bytes | torch.Tensor | FileSlice | CheckRange) -> None:
-        """The next tensor's bytes (a buffer, a tensor or a source byte range), or a check marker."""
+        """The next tensor's bytes (a buffer, a tensor on the host or a GPU, or a source byte range), or a
+        check marker."""
         w = self._writer
         if isinstance(item, CheckRange):
             self._flush()
@@ -582,6 +594,20 @@ class ShardStream:
             raise AssertionError(f"planned {len(self._sized)} tensors, produced more")
         name, dtype, shape, nbytes = self._sized[self._count]
         self._count += 1
+        if device_write.is_device_tensor(item):
+            assert not isinstance(item, bytes | FileSlice)
+            size = item.numel() * item.element_size()
+            if size != nbytes:
+                raise AssertionError(f"{name}: produced {size} bytes, planned {nbytes} ({dtype}{list(shape)})")
+            if self._slices:
+                w.put(tuple(self._slices))
+            if self._bufs:
+                w.put(self._bufs)
+            self._slices, self._bufs, self._held = [], [], 0
+            self._pos += size
+            self._dev.append(item)
+            return
+        self._put_device()
         raw = item if isinstance(item, FileSlice) else _as_bytes(item)
         size = raw.length if isinstance(raw, FileSlice) else len(raw)
         if size != nbytes:
@@ -708,7 +734,8 @@ class _BackgroundWriter:
         # source files open for the writer (0) and the hasher (1) thread, one descriptor per thread and
         # file for the shard's lifetime: a ct-mxfp4 rename copies ~10,000 small tensors
         self._fds: tuple[dict[Path, int], dict[Path, int]] = ({}, {})
-        self._wq: queue.Queue[bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | None] = queue.Queue()
+        self._wq: queue.Queue[bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | DeviceBytes | None] = \
+            queue.Queue()
         self._hq: queue.Queue[int | tuple[FileSlice, ...] | None] = queue.Queue()  # buffers by size
         self._cq: queue.Queue[tuple[CheckRange, int, int] | None] = queue.Queue()  # ranges to check
         self._checks = 0
@@ -731,7 +758,7 @@ class _BackgroundWriter:
     def _write_loop(self) -> None:
         while (raw := self._wq.get()) is not None:
             size = _size(raw)
-            held = 0 if isinstance(raw, tuple) else size  # slices hold no memory
+            held = 0 if isinstance(raw, tuple | DeviceBytes) else size  # slices and device bytes hold no host memory
             wrote = False
             try:
                 if self._error is None:
@@ -739,6 +766,8 @@ class _BackgroundWriter:
                     if isinstance(raw, tuple):
                         for run, parts in copy_runs(raw):
                             self._copy(run, parts)
+                    elif isinstance(raw, DeviceBytes):
+                        device_write.write_device(raw, self._write)
                     else:
                         self._write(raw)
                     self._busy[0] += time.perf_counter() - t0
@@ -918,17 +947,18 @@ class _BackgroundWriter:
         if self._error is not None:
             raise self._error
 
-    def put(self, raw: bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...]) -> None:
-        """Queue one buffer, a batch of buffers (a list) or a batch of byte-range copies (a tuple)."""
+    def put(self, raw: bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | DeviceBytes) -> None:
+        """Queue one buffer, a batch of buffers (a list), a batch of byte-range copies (a tuple) or
+        bytes on a GPU (``DeviceBytes``)."""
         self._raise()
-        size = 0 if isinstance(raw, tuple) else _size(raw)  # slices hold no memory
+        size = 0 if isinstance(raw, tuple | DeviceBytes) else _size(raw)  # host memory held while queued
         b = self._budget
         with b.cond:
             while b.used and b.used + size > b.limit and self._error is None:
                 b.cond.wait()
             b.used += size
         self._wq.put(raw)
-        self._hq.put(raw if isinstance(raw, tuple) else size)
+        self._hq.put(raw if isinstance(raw, tuple) else _size(raw))  # computed bytes: read back once written
 
     def wait_written(self, pos: int) -> None:
         """Wait until the writer has written the file's first ``pos`` bytes; raise its error if any."""
@@ -984,8 +1014,8 @@ class _BackgroundWriter:
             self._fh.close()
 
 
-def _size(raw: bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...]) -> int:
-    """Bytes of a queued item: a buffer, a batch of buffers or a batch of copies."""
+def _size(raw: bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | DeviceBytes) -> int:
+    """Bytes of a queued item: a buffer, a batch of buffers, a batch of copies or bytes on a GPU."""
     if isinstance(raw, tuple):
         return sum(s.length for s in raw)
     if isinstance(raw, list):

@@ -40,7 +40,7 @@ def deinterleave_rows(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     import torch
 
     n = x.shape[dim]
-    idx = torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)])
+    idx = torch.cat([torch.arange(0, n, 2, device=x.device), torch.arange(1, n, 2, device=x.device)])
     return x.index_select(dim, idx)
 
 
@@ -50,7 +50,7 @@ def interleave_rows(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
 
     n = x.shape[dim]
     half = n // 2
-    idx = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+    idx = torch.stack([torch.arange(half, device=x.device), torch.arange(half, device=x.device) + half], dim=1).reshape(-1)
     return x.index_select(dim, idx)
 
 

@@ -85,6 +85,9 @@ class Target:
     """Base class with the passthrough behaviour shared by every target."""
 
     NAME = ""
+    # ``encode`` takes a unit whose weights are on a GPU and returns views and device tensors the
+    # shard writer copies back itself (``io.device_write``); else GPU results come back to the host first
+    ENCODES_ON_DEVICE = False
 
     def refuse(self, ctx: WriterContext) -> str | None:
         """Why this (source, target) pair makes no sense, or None."""
@@ -235,6 +238,7 @@ class SplitTarget(Target):
 
     PACKED = "weight_packed"
     SCALE = "weight_scale"
+    ENCODES_ON_DEVICE = True  # per-expert row views
 
     def direct_sources(self, spec: UnitSpec, ctx: WriterContext) -> list[str] | None:
         if spec.kind == "passthrough":
