@@ -272,8 +272,9 @@ def _write_window(todo: list[tuple[_ShardPlan, str, Path]], job: Job, ctx: Write
             del items
             end = sh.stream.flush()
             if computed:
-                # at most two units' computed outputs in memory, however many files are written
-                # at once: the previous one is written before the next is produced
+                # at most two units' computed outputs alive (in host memory, or on the GPU until
+                # written), however many files are written at once: the previous one is written
+                # before the next is produced
                 if last[0] is not None:
                     last[0][0].wait_written(last[0][1])
                 last[0] = (sh.stream, end)
@@ -481,7 +482,7 @@ def _write_all(job: Job, shard_plans: list[tuple[str, WriterContext, list[_Shard
     total = sum(s.nbytes for _, _, shards in shard_plans for s in shards)
     if job.needs_device and devices(opts)[0].startswith("cuda"):
         # GPU outputs are produced far faster than the disk takes them: a unit's worth queued keeps
-        # the writer busy, and the host memory held stays about two units (README: peak RSS)
+        # the writer busy; outputs written from the GPU (io/device_write) hold none of this budget
         fin.budget.limit = max(BATCH_BYTES, max((sum(t.nbytes for t in target.out_specs(u, rctx)) for _, rctx, shards
                                                  in shard_plans for sh in shards for u in sh.units), default=0))
     done = [0]

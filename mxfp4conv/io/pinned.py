@@ -1,12 +1,13 @@
 """How page-locked (pinned) host memory is had for GPU transfers.
 
-Two kinds. Small fixed buffers (the read stages of ``io/device_read``, the check's stage) come from
-torch's caching host allocator, told to pin with ``malloc`` + ``cudaHostRegister`` from several
-threads (``use_fast_pinning``): by default it pins with ``cudaHostAlloc``, ~2 GB/s on an H200 host
-and no faster from several threads, against 5-7 GB/s registered from 8-16 threads. Unit-sized
-results copied back from the GPU come from ``HostSlabs``: exact-size buffers registered once and
-reused, since torch's allocator rounds every block up to a power of two (a 321 MB unit takes 512 MB)
-and keeps every block it ever pinned.
+Two kinds. Small fixed buffers (the read stages of ``io/device_read``, the write stages of
+``io/device_write``, the check's stage) come from torch's caching host allocator, told to pin with
+``malloc`` + ``cudaHostRegister`` from several threads (``use_fast_pinning``): by default it pins
+with ``cudaHostAlloc``, ~2 GB/s on an H200 host and no faster from several threads, against 5-7 GB/s
+registered from 8-16 threads. Unit-sized results copied back from the GPU whole (targets that do not
+encode on the device: ``Target.ENCODES_ON_DEVICE``) come from ``HostSlabs``: exact-size buffers
+registered once and reused, since torch's allocator rounds every block up to a power of two (a 321
+MB unit takes 512 MB) and keeps every block it ever pinned.
 """
 
 from __future__ import annotations
