@@ -495,8 +495,9 @@ GPU_MIN_CHUNK_ROWS = 1 << 17
 
 
 # A weight is requantized whole on the GPU when its bytes are at most 1/RESIDENT_SHARE of the device's
-# memory (its input, its output and the post-write check's second requantization fit there several
-# times over, beside the next unit's read); a larger one streams through in bounded row chunks.
+# memory: its input, its output, the output's copy gathered for the writer, the post-write check's
+# second requantization, the next unit's read and the previous unit's output still being written
+# (io/device_write) take six such shares at most; a larger one streams through in bounded row chunks.
 RESIDENT_SHARE = 8
 
 
