@@ -462,3 +462,78 @@ def test_open_checkpoint_restores_the_collector(tmp_path: Path) -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+class _OnGpu(torch.Tensor):
+    """A host tensor the stream takes for one on a GPU (``device_write.is_device_tensor``)."""
+
+    is_cuda = True
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gpu_items_interleaved_with_host_items_and_copies_keep_file_order(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """Tensors on a GPU are gathered per run of consecutive ones and written by the writer thread
+    (``io.device_write``; its copy back is covered on the GPU by tests/test_device_write.py). Mixed in
+    any order with host tensors, byte-range copies and check markers, every tensor lands at its place,
+    each check sees its own range, the digest is the file's, and no host budget is held for them."""
+    from mxfp4conv.io import device_write
+
+    gathered: list[int] = []
+
+    def gather(ts: list[torch.Tensor]) -> device_write.DeviceBytes:
+        gathered.append(len(ts))
+        flat = [t.as_subclass(torch.Tensor).reshape(-1).view(torch.uint8) for t in ts if t.numel()]
+        return device_write.DeviceBytes(torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8), None)  # type: ignore[arg-type]
+
+    def write_device(span: device_write.DeviceBytes, write: object) -> None:
+        raw = span.data.numpy().tobytes()
+        for i in range(0, len(raw), 4099):  # in pieces, as through the stages
+            write(memoryview(raw)[i:i + 4099])  # type: ignore[operator]
+
+    monkeypatch.setattr(device_write, "gather", gather)
+    monkeypatch.setattr(device_write, "write_device", write_device)
+    _, _, copies, _ = _copy_job(tmp_path)
+    src_refs = sio.read_header(tmp_path / "src.safetensors")[0]
+    g = torch.Generator().manual_seed(seed)
+    kinds = torch.randint(0, 3, (24,), generator=g).tolist()
+    items: list[object] = []
+    entries = []
+    want: dict[str, torch.Tensor] = {}
+    for i, kind in enumerate(kinds):
+        if kind == 0:
+            c = copies[i % len(copies)]
+            name = f"t{i}.{c.name}"
+            items.append(c)
+            entries.append((name, src_refs[c.name].dtype, src_refs[c.name].shape))
+            want[name] = src_refs[c.name].load()
+        else:
+            t = _tensors(seed * 100 + i)[["big", "odd", "empty", "small"][i % 4]]
+            name = f"t{i}"
+            items.append(t.as_subclass(_OnGpu) if kind == 2 else t)
+            entries.append((name, sio.st_dtype(t.dtype), tuple(t.shape)))
+            want[name] = t
+        if i % 5 == 4:
+            items.append("check")
+    checked: list[tuple[int, int]] = []
+    budget = sio.InflightBudget(limit=1 << 40)
+    seen: list[int] = []
+    out = tmp_path / "mixed.safetensors"
+    stream = sio.ShardStream(out, entries, budget=budget)
+    for item in items:
+        if item == "check":
+            stream.feed(sio.CheckRange(lambda fd, b, e: checked.append((b, e)), hold=0))
+        else:
+            stream.feed(item)  # type: ignore[arg-type]
+            seen.append(budget.used)
+    digest = stream.finish().result(timeout=60)
+    assert digest == hashlib.sha256(out.read_bytes()).hexdigest()
+    back = load_file(str(out))
+    assert set(back) == set(want)
+    for name, t in want.items():
+        assert torch.equal(back[name], t), name
+    header = 8 + int.from_bytes(out.read_bytes()[:8], "little")
+    assert checked and checked[0][0] == header and all(a[1] == b[0] for a, b in itertools.pairwise(checked))
+    assert sum(gathered) == kinds.count(2)
+    host = sum(want[f"t{i}"].numel() * want[f"t{i}"].element_size() for i, k in enumerate(kinds) if k == 1)
+    assert max(seen) <= header + host  # bytes on the GPU hold none of the host budget
