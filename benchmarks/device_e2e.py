@@ -5,8 +5,12 @@ byte-identity of the output across CPU, one GPU and every GPU.
 
 Each round times `cp -r` + `sync` of the source, then the default command
 (`mxfp4conv convert SRC DST --to ct --device cuda`, which verifies) and the same with `--no-verify`,
-each in a fresh process with its peak RSS; every ratio is against the same round's copy. One JSON
-line per case (also written to OUT_DIR/device_e2e.jsonl), then the medians over the rounds.
+each in a fresh process with its peak RSS; every ratio is against the copy just before it
+(``throughput_vs_cp``). With ``--variants`` each variant's conversions get a copy of their own, and
+the summary also sets each conversion against the median of its round's copies
+(``throughput_vs_round_cp``), so that one slow copy does not flatter one variant. One JSON line per
+case (also written to OUT_DIR/device_e2e.jsonl), then the medians per variant and command. On a
+machine without CUDA, variants with ``DEVICE=cpu`` run the same protocol.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -193,7 +198,8 @@ def big(w: Path, layers: int, emit: Any, rounds: int = 1, verify: bool = True, s
     run(["cp", "-r", str(src), str(w / "cp0")])
     shutil.rmtree(w / "cp0")
     weights = layers * 128 * 3 * 2048 * 768
-    startup = run([PY, "-c", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"])
+    startup = run([PY, "-c", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"]) \
+        if torch.cuda.is_available() else None  # a CPU machine runs DEVICE=cpu variants only
     points: list[tuple[float, float, float]] = []
     largest, budget = unit_budget(src)
     cases = [(r, h, z, v) for r in range(rounds) for h in (hashers or [""]) for z in (shard_sizes or [""])
@@ -213,27 +219,42 @@ def big(w: Path, layers: int, emit: Any, rounds: int = 1, verify: bool = True, s
             run(["sync"])
             t_conv = conv(src, w / "out", "--device", device, *flags, *extra, env=env)
             stages = STAGES.get("out", {})
-            row = {"round": r + 1, "command": mode, "cp_s": round(t_cp, 2), "convert_s": round(t_conv, 2),
+            row = {"round": r + 1, "variant": variant, "command": mode, "cp_s": round(t_cp, 2), "convert_s": round(t_conv, 2),
                    "throughput_vs_cp": round(t_cp / t_conv, 3), "peak_rss_gb": round(RSS["out"] / 1e9, 3),
                    "rss_budget_gb": round(budget / 1e9, 3), "rss_within_budget": RSS["out"] <= budget}
             rows.append(row)
-            emit(case="nvfp4 -> mxfp4 end to end, all GPUs", variant=variant, env=venv, hasher=hasher or "default",
+            emit(case="nvfp4 -> mxfp4 end to end, all GPUs", env=venv, hasher=hasher or "default",
                  max_shard_size=shard or "default", shards=len(list((w / "out").glob("*.safetensors"))), layers=layers,
                  gb=round(size / 1e9, 2), gweights=round(weights / 1e9, 2), **row, in_process_s=stages.get("total"),
                  in_process_vs_cp=round(t_cp / stages["total"], 3) if stages.get("total") else None,
-                 python_torch_cuda_startup_s=round(startup, 2), gweights_per_s=round(weights / t_conv / 1e9, 3),
+                 python_torch_cuda_startup_s=None if startup is None else round(startup, 2), gweights_per_s=round(weights / t_conv / 1e9, 3),
                  largest_unit_gb=round(largest / 1e9, 3), stages=stages, requantized_on=ON.get("out"))
             if mode == "no-verify":
                 points.append((size / 1e9, t_cp, t_conv))
-    for mode in ("default", "no-verify"):
-        mine = [x for x in rows if x["command"] == mode]
-        if mine:
-            ratios = sorted(x["throughput_vs_cp"] for x in mine)
-            emit(case=f"summary: {mode} convert vs cp -r + sync, median of the rounds", layers=layers, gb=round(size / 1e9, 2),
-                 rounds=len(mine), throughput_vs_cp=[x["throughput_vs_cp"] for x in mine], median=ratios[len(ratios) // 2],
-                 peak_rss_gb=max(x["peak_rss_gb"] for x in mine), rss_budget_gb=round(budget / 1e9, 3),
-                 rss_within_budget=all(x["rss_within_budget"] for x in mine))
+    emit(case="summary", layers=layers, gb=round(size / 1e9, 2), rss_budget_gb=round(budget / 1e9, 3),
+         **summarize(rows))
     return points
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per variant and command: the throughput ratios against each conversion's own copy and against
+    the median of all copies of its round (with several variants each has a copy of its own, and a
+    slow copy alone would flatter the conversion after it), with their medians and the peak RSS."""
+    by_round: dict[int, list[float]] = {}
+    for x in rows:
+        by_round.setdefault(x["round"], []).append(x["cp_s"])
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys((x["variant"], x["command"]) for x in rows):
+        mine = [x for x in rows if (x["variant"], x["command"]) == key]
+        own = [x["throughput_vs_cp"] for x in mine]
+        vs_round = [round(statistics.median(by_round[x["round"]]) / x["convert_s"], 3) for x in mine]
+        out[f"{key[0]}/{key[1]}"] = {
+            "rounds": len(mine), "convert_s": [x["convert_s"] for x in mine],
+            "throughput_vs_cp": own, "median": round(statistics.median(own), 3),
+            "throughput_vs_round_cp": vs_round, "median_vs_round_cp": round(statistics.median(vs_round), 3),
+            "peak_rss_gb": max(x["peak_rss_gb"] for x in mine),
+            "rss_within_budget": all(x["rss_within_budget"] for x in mine)}
+    return out
 
 
 if __name__ == "__main__":
