@@ -100,4 +100,3 @@ def test_a_write_error_leaves_the_stages_reusable(tmp_path: Path) -> None:
     got = bytearray()
     device_write.write_device(span, got.extend)
     assert bytes(got) == torch.arange(50_000, dtype=torch.int32).numpy().tobytes()
-
