@@ -4,7 +4,8 @@ byte-identity of the output across CPU, one GPU and every GPU.
     PYTHONPATH=. python3 benchmarks/device_e2e.py OUT_DIR [--layers 12]
 
 Each round times `cp -r` + `sync` of the source, then the default command
-(`mxfp4conv convert SRC DST --to ct --device cuda`, which verifies) and the same with `--no-verify`,
+(`mxfp4conv convert SRC DST --to ct`: ``--device auto``, the GPU here, and the proof) and the same
+with `--no-verify`,
 each in a fresh process with its peak RSS; every ratio is against the copy just before it
 (``throughput_vs_cp``). With ``--variants`` each variant's conversions get a copy of their own, and
 the summary also sets each conversion against the median of its round's copies
@@ -106,7 +107,7 @@ def main() -> None:
                          "round (e.g. 'base:CWD=/tmp/base;omp1:OMP_NUM_THREADS=1'; 'new:' = as is). CWD is not an "
                          "environment variable: the conversion runs in that folder, so `python -m mxfp4conv` runs "
                          "the checkout there (a same-run A/B of two versions); DEVICE is the "
-                         "conversion's --device (default cuda)")
+                         "conversion's --device (default: none given, i.e. auto)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = open(args.out / "device_e2e.jsonl", "w")  # noqa: SIM115
@@ -212,12 +213,12 @@ def big(w: Path, layers: int, emit: Any, rounds: int = 1, verify: bool = True, s
         t_cp = run(["cp", "-r", str(src), str(w / "cp")]) + run(["sync"])
         shutil.rmtree(w / "cp", ignore_errors=True)  # the disk holds the source, one copy and one output
         env = {**venv, **({"MXFP4CONV_HASHER": hasher} if hasher else {})}
-        device = env.pop("DEVICE", "cuda")
+        device = env.pop("DEVICE", "")
         extra = ["--max-shard-size", shard] if shard else []
         for mode, flags in (("default", []), ("no-verify", ["--no-verify"])) if verify else (("no-verify", ["--no-verify"]),):
             shutil.rmtree(w / "out", ignore_errors=True)
             run(["sync"])
-            t_conv = conv(src, w / "out", "--device", device, *flags, *extra, env=env)
+            t_conv = conv(src, w / "out", *(["--device", device] if device else []), *flags, *extra, env=env)
             stages = STAGES.get("out", {})
             row = {"round": r + 1, "variant": variant, "command": mode, "cp_s": round(t_cp, 2), "convert_s": round(t_conv, 2),
                    "throughput_vs_cp": round(t_cp / t_conv, 3), "peak_rss_gb": round(RSS["out"] / 1e9, 3),

@@ -27,6 +27,7 @@ from mxfp4conv import __version__
 from mxfp4conv.check import InlineVerifier, check_structure
 from mxfp4conv.errors import OutputError, StagingError, UsageError
 from mxfp4conv.inspect import SCHEMA_VERSION
+from mxfp4conv.io import cuda_driver
 from mxfp4conv.io.atomic import check_destination, publish, remove_tree, staging_path
 from mxfp4conv.io.checkpoint import PICKLE_SUFFIXES, Checkpoint
 from mxfp4conv.io.safetensors_io import (
@@ -311,11 +312,11 @@ def _copy_extras(src: Path, dst: Path, drop_hqc: bool) -> list[str]:
 def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress: Progress | None = None) -> ConvertReport:
     """Convert SRC into DST (see module docstring). Raises ``ConvertError`` subclasses."""
     t_start = time.perf_counter()
-    # a GPU named outright, or ``auto`` for a source whose config names NVFP4, starts (torch's import,
-    # CUDA) beside the planning; any other ``auto`` once the plan shows a requant, so that renames
-    # never import torch
+    # a GPU named outright, or ``auto`` on a machine with a CUDA driver for a source whose config names
+    # NVFP4, starts (torch's import, CUDA) beside the planning; any other ``auto`` once the plan shows
+    # a requant, so that renames never import torch
     early = not opts.dry_run and (opts.device.startswith("cuda") or any(d.startswith("cuda") for d in opts.devices)
-                                  or (opts.device == "auto" and _names_nvfp4(src, opts)))
+                                  or (opts.device == "auto" and cuda_driver.has_driver() and _names_nvfp4(src, opts)))
     if early:
         _start_device(opts)
     job = prepare(src, opts)
@@ -455,9 +456,7 @@ def _start_device(opts: ConvertOptions) -> threading.Thread | None:
         return None
 
     def start() -> None:
-        from mxfp4conv.io.cuda_driver import start_driver
-
-        start_driver(_ordinals(opts))  # CUDA's start needs no torch: beside its import, not after it
+        cuda_driver.start_driver(_ordinals(opts))  # CUDA's start needs no torch: beside its import, not after it
         threading.Thread(target=_import_kernel, name="mxfp4conv-triton-start", daemon=True).start()
         with contextlib.suppress(Exception):
             import torch
@@ -481,9 +480,7 @@ def _import_kernel() -> None:
     no torch, and most of its import is Triton's cache key, a sha256 of Triton's ~500 MB install,
     computed without the GIL (0.4-0.9 s that a first launch otherwise waits for once torch is
     imported). Best effort: a failure is reported by the first launch, which imports the module again."""
-    from mxfp4conv.io.cuda_driver import has_driver
-
-    if not has_driver():
+    if not cuda_driver.has_driver():
         return
     with contextlib.suppress(Exception):
         importlib.import_module("mxfp4conv.kernels._requant_triton_jit")

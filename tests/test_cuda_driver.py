@@ -112,14 +112,19 @@ def test_the_guess_reads_no_fifo_and_no_repo_id(tmp_path: Path) -> None:
     assert not _names_nvfp4(tmp_path, ConvertOptions(device="auto"))
 
 
-@pytest.mark.parametrize(("layout", "device", "calls"), [
-    ("modelopt-nvfp4", "auto", ["start", "prepare"]),  # guessed: beside the planning
-    ("modelopt-nvfp4", "cpu", ["prepare"]),
-    ("ct-mxfp4", "auto", ["prepare"]),  # a rename never starts the device (nor imports torch)
+@pytest.mark.parametrize(("layout", "device", "driver", "calls"), [
+    ("modelopt-nvfp4", "auto", True, ["start", "prepare"]),  # guessed: beside the planning
+    ("modelopt-nvfp4", "auto", False, ["prepare", "start"]),  # no CUDA driver: once the plan shows a requant
+    ("modelopt-nvfp4", "cpu", True, ["prepare"]),
+    ("ct-mxfp4", "auto", True, ["prepare"]),  # a rename never starts the device (nor imports torch)
 ])
 def test_when_a_conversion_starts_the_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str, device: str,
-                                             calls: list[str]) -> None:
+                                             driver: bool, calls: list[str]) -> None:
+    """On any machine: the driver's presence is simulated; without a GPU the device's start ends
+    with torch finding none, and the conversion runs on the CPU."""
     src = build(layout, tmp_path / "src")
+    if not driver or not cuda_driver.has_driver():
+        monkeypatch.setattr(cuda_driver, "has_driver", lambda: driver)
     seen: list[str] = []
     real_prepare, real_start = pipeline.prepare, pipeline._start_device
 
