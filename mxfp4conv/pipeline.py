@@ -316,7 +316,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
     # NVFP4, starts (torch's import, CUDA) beside the planning; any other ``auto`` once the plan shows
     # a requant, so that renames never import torch
     early = not opts.dry_run and (opts.device.startswith("cuda") or any(d.startswith("cuda") for d in opts.devices)
-                                  or (opts.device == "auto" and cuda_driver.has_driver() and _names_nvfp4(src, opts)))
+                                  or (opts.device == "auto" and _names_nvfp4(src, opts) and cuda_driver.has_driver()))
     if early:
         _start_device(opts)
     job = prepare(src, opts)
