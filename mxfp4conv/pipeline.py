@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import hashlib
 import heapq
-import importlib
 import json
 import shutil
 import threading
@@ -27,7 +26,6 @@ from mxfp4conv import __version__
 from mxfp4conv.check import InlineVerifier, check_structure
 from mxfp4conv.errors import OutputError, StagingError, UsageError
 from mxfp4conv.inspect import SCHEMA_VERSION
-from mxfp4conv.io import cuda_driver
 from mxfp4conv.io.atomic import check_destination, publish, remove_tree, staging_path
 from mxfp4conv.io.checkpoint import PICKLE_SUFFIXES, Checkpoint
 from mxfp4conv.io.safetensors_io import (
@@ -312,11 +310,9 @@ def _copy_extras(src: Path, dst: Path, drop_hqc: bool) -> list[str]:
 def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress: Progress | None = None) -> ConvertReport:
     """Convert SRC into DST (see module docstring). Raises ``ConvertError`` subclasses."""
     t_start = time.perf_counter()
-    # a GPU named outright, or ``auto`` on a machine with a CUDA driver for a source whose config names
-    # NVFP4, starts (torch's import, CUDA) beside the planning; any other ``auto`` once the plan shows
-    # a requant, so that renames never import torch
-    early = not opts.dry_run and (opts.device.startswith("cuda") or any(d.startswith("cuda") for d in opts.devices)
-                                  or (opts.device == "auto" and _names_nvfp4(src, opts) and cuda_driver.has_driver()))
+    # a GPU named outright starts (torch's import, CUDA) beside the planning; ``auto`` only once
+    # the plan shows a requant, so renames never import torch
+    early = not opts.dry_run and (opts.device.startswith("cuda") or any(d.startswith("cuda") for d in opts.devices))
     if early:
         _start_device(opts)
     job = prepare(src, opts)
@@ -330,31 +326,6 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
     finally:
         if head is not None:
             head.cancel()  # a conversion that ended before taking it (an error, a current output)
-
-
-def _names_nvfp4(src: str | Path, opts: ConvertOptions) -> bool:
-    """A guess, before SRC is planned, that it will be requantized: a local SRC whose ``config.json``
-    or ``hf_quant_config.json`` names NVFP4 (a string such as ``NVFP4`` or ``nvfp4-pack-quantized``,
-    or Quark's fp4 in groups of 16), without ``--keep-nvfp4``. The plan decides whether the device is
-    used; a wrong guess costs a helper thread, or a later start, never bytes."""
-    if opts.extra.get("keep_nvfp4") == "1":
-        return False
-
-    def names(x: Any) -> bool:
-        if isinstance(x, str):
-            return "nvfp4" in x.lower()
-        if isinstance(x, dict):
-            return (x.get("dtype") == "fp4" and x.get("group_size") == 16) or any(map(names, x.values()))
-        return isinstance(x, list) and any(map(names, x))
-
-    for name in ("config.json", "hf_quant_config.json"):
-        path = Path(src) / name
-        if not path.is_file():  # never open a FIFO
-            continue
-        with contextlib.suppress(OSError, ValueError, RecursionError), open(path, "rb") as fh:
-            if names(json.loads(fh.read(1 << 20))):
-                return True
-    return False
 
 
 def _head_start(job: Job, shard_plans: list[tuple[str, WriterContext, list[_ShardPlan]]], dst: Path) -> Head | None:
@@ -456,8 +427,9 @@ def _start_device(opts: ConvertOptions) -> threading.Thread | None:
         return None
 
     def start() -> None:
-        cuda_driver.start_driver(_ordinals(opts))  # CUDA's start needs no torch: beside its import, not after it
-        threading.Thread(target=_import_kernel, name="mxfp4conv-triton-start", daemon=True).start()
+        from mxfp4conv.io.cuda_driver import start_driver
+
+        start_driver(_ordinals(opts))  # CUDA's start needs no torch: beside its import, not after it
         with contextlib.suppress(Exception):
             import torch
 
@@ -473,17 +445,6 @@ def _start_device(opts: ConvertOptions) -> threading.Thread | None:
     t = threading.Thread(target=start, name="mxfp4conv-device-start", daemon=True)
     t.start()
     return t
-
-
-def _import_kernel() -> None:
-    """Import the GPU kernel's module beside torch's import, on a machine with a CUDA driver: it needs
-    no torch, and most of its import is Triton's cache key, a sha256 of Triton's ~500 MB install,
-    computed without the GIL (0.4-0.9 s that a first launch otherwise waits for once torch is
-    imported). Best effort: a failure is reported by the first launch, which imports the module again."""
-    if not cuda_driver.has_driver():
-        return
-    with contextlib.suppress(Exception):
-        importlib.import_module("mxfp4conv.kernels._requant_triton_jit")
 
 
 def _ordinals(opts: ConvertOptions) -> list[int] | None:

@@ -27,11 +27,6 @@ def _driver() -> ctypes.CDLL | None:
     return None
 
 
-def has_driver() -> bool:
-    """Whether this machine has a CUDA driver library (a GPU may still be absent or hidden)."""
-    return _driver() is not None
-
-
 def warm(ordinals: Sequence[int] | None) -> int:
     """Initialize the driver and retain the primary context of each device in ``ordinals`` (every
     visible one for None). Returns how many contexts were made ready; 0 when there is no driver or
