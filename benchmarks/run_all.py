@@ -2,7 +2,8 @@
 ``.bench/bench_<date>_cpu.jsonl`` (an untracked folder; ``--out-dir`` to change it).
 
 The GPU benchmarks (``bench_requant_gpu.py``, ``device_e2e.py``: the default command and
-``--no-verify`` against ``cp -r`` + ``sync``, ``device_profile.py``, ``probe_start.py``) need a CUDA
+``--no-verify`` against ``cp -r`` + ``sync``, ``device_profile.py``, ``probe_start.py``,
+``trace_start.py``: the start's milestones) need a CUDA
 machine and are run by hand (BENCHMARKS.md gives each command); ``rss_watch.py`` wraps any command.
 """
 
