@@ -5,8 +5,7 @@ byte-identity of the output across CPU, one GPU and every GPU.
 
 Each round times `cp -r` + `sync` of the source, then the default command
 (`mxfp4conv convert SRC DST --to ct`: ``--device auto``, the GPU here, and the proof) and the same
-with `--no-verify`,
-each in a fresh process with its peak RSS; every ratio is against the copy just before it
+with `--no-verify`, each in a fresh process with its peak RSS; every ratio is against the copy just before it
 (``throughput_vs_cp``). With ``--variants`` each variant's conversions get a copy of their own, and
 the summary also sets each conversion against the median of its round's copies
 (``throughput_vs_round_cp``), so that one slow copy does not flatter one variant. One JSON line per
