@@ -144,10 +144,9 @@ def main() -> None:
     cut = argv.index("--") if "--" in argv else len(argv)
     args, extra = ap.parse_args(argv[:cut]), argv[cut + 1:]  # after "--": more convert flags
     args.out.mkdir(parents=True, exist_ok=True)
-    variants = []
-    for part in filter(None, args.variants.split(";")):
-        name, _, env = part.partition(":")
-        variants.append((name, dict(kv.split("=", 1) for kv in filter(None, env.split(",")))))
+    from device_e2e import parse_variants  # the same NAME:VAR=V;... syntax
+
+    variants = parse_variants(args.variants)
     dst = args.out / "dst"
     rows: dict[str, list[dict[str, float | None]]] = {name: [] for name, _ in variants}
     for r in range(args.rounds):
