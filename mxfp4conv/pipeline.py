@@ -57,7 +57,6 @@ from mxfp4conv.staging import (
     reuse,
     sha256_file,
 )
-from mxfp4conv.torch_preload import preload_torch
 from mxfp4conv.units import Head, UnitResult, read_ahead, read_sizes, start_head, unit_results
 from mxfp4conv.writers import OutTensor, Target, WriterContext
 from mxfp4conv.writers.base import UnitSpec
@@ -314,14 +313,11 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
     # a GPU named outright starts (torch's import, CUDA) beside the planning; ``auto`` only once
     # the plan shows a requant, so renames never import torch
     early = not opts.dry_run and (opts.device.startswith("cuda") or any(d.startswith("cuda") for d in opts.devices))
-    # the loader's part of torch's import runs beside the planning, without the GIL, wherever torch
-    # is likely to be imported (torch_preload.py)
-    preload = preload_torch() if not opts.dry_run and (early or _names_nvfp4(src, opts)) else None
     if early:
-        _start_device(opts, preload)
+        _start_device(opts)
     job = prepare(src, opts)
     if needs_device(job.ctx) and not early:
-        _start_device(opts, preload)
+        _start_device(opts)
     shard_plans = [(folder, rctx, plan_shards(job.target, rctx, job.plan, opts.max_shard_size, folder))
                    for _, folder, rctx in job.rank_contexts()]
     head = _head_start(job, shard_plans, Path(dst))  # before the device is resolved, which waits for torch
@@ -330,31 +326,6 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
     finally:
         if head is not None:
             head.cancel()  # a conversion that ended before taking it (an error, a current output)
-
-
-def _names_nvfp4(src: str | Path, opts: ConvertOptions) -> bool:
-    """A guess, before SRC is planned, that it will be requantized: a local SRC whose ``config.json``
-    or ``hf_quant_config.json`` names NVFP4 (a string such as ``NVFP4`` or ``nvfp4-pack-quantized``,
-    or Quark's fp4 in groups of 16), without ``--keep-nvfp4``. Only the preload of torch's libraries
-    follows it: a wrong guess costs a helper thread's loading, or a later import, never bytes."""
-    if opts.extra.get("keep_nvfp4") == "1":
-        return False
-
-    def names(x: Any) -> bool:
-        if isinstance(x, str):
-            return "nvfp4" in x.lower()
-        if isinstance(x, dict):
-            return (x.get("dtype") == "fp4" and x.get("group_size") == 16) or any(map(names, x.values()))
-        return isinstance(x, list) and any(map(names, x))
-
-    for name in ("config.json", "hf_quant_config.json"):
-        path = Path(src) / name
-        if not path.is_file():  # never open a FIFO
-            continue
-        with contextlib.suppress(OSError, ValueError, RecursionError), open(path, "rb") as fh:
-            if names(json.loads(fh.read(1 << 20))):
-                return True
-    return False
 
 
 def _head_start(job: Job, shard_plans: list[tuple[str, WriterContext, list[_ShardPlan]]], dst: Path) -> Head | None:
@@ -448,11 +419,9 @@ def _convert(src: str | Path, dst: Path, job: Job, shard_plans: list[tuple[str, 
     return report
 
 
-def _start_device(opts: ConvertOptions, preload: threading.Thread | None = None) -> threading.Thread | None:
+def _start_device(opts: ConvertOptions) -> threading.Thread | None:
     """For a GPU conversion, import torch and start CUDA on a helper thread while SRC is planned and
-    its first units are read (a fresh process spends seconds there); None when no GPU is asked for.
-    The import waits for ``preload`` (torch's libraries loading) without the GIL, not in the loader
-    holding it, so that the planning goes on meanwhile."""
+    its first units are read (a fresh process spends seconds there); None when no GPU is asked for."""
     wanted = opts.device in ("cuda", "auto") or opts.device.startswith("cuda:") or any(d.startswith("cuda") for d in opts.devices)
     if not wanted or opts.dry_run:
         return None
@@ -461,8 +430,6 @@ def _start_device(opts: ConvertOptions, preload: threading.Thread | None = None)
         from mxfp4conv.io.cuda_driver import start_driver
 
         start_driver(_ordinals(opts))  # CUDA's start needs no torch: beside its import, not after it
-        if preload is not None:
-            preload.join()
         with contextlib.suppress(Exception):
             import torch
 
