@@ -7,6 +7,7 @@ import itertools
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -537,3 +538,32 @@ def test_gpu_items_interleaved_with_host_items_and_copies_keep_file_order(
     assert sum(gathered) == kinds.count(2)
     host = sum(want[f"t{i}"].numel() * want[f"t{i}"].element_size() for i, k in enumerate(kinds) if k == 1)
     assert max(seen) <= header + host  # bytes on the GPU hold none of the host budget
+
+
+def test_a_shards_check_lets_go_of_what_it_held_once_run(tmp_path: Path) -> None:
+    """A shard's check thread keeps nothing of a check it has run while it waits for the shard's next
+    one: what the check's function holds (a canonical unit, hundreds of MB in a conversion) is freed
+    before its bytes leave the budget, not kept alive once per open shard."""
+
+    class Unit:
+        pass
+
+    unit = Unit()
+    alive = weakref.ref(unit)
+    ran = threading.Event()
+
+    def check(fd: int, begin: int, end: int, held: Unit = unit) -> None:
+        ran.set()
+
+    budget = sio.InflightBudget()
+    stream = sio.ShardStream(tmp_path / "s.safetensors", [("t", "U8", (64,))], budget=budget)
+    stream.feed(torch.arange(64, dtype=torch.uint8))
+    stream.feed(sio.CheckRange(check, hold=1000))
+    del check, unit
+    assert ran.wait(30)
+    deadline = time.monotonic() + 30
+    while budget.used and time.monotonic() < deadline:  # the hold is returned once the check is let go
+        time.sleep(0.01)
+    assert budget.used == 0
+    assert alive() is None  # the shard is still open: its check thread is waiting for the next check
+    stream.finish().result(timeout=60)

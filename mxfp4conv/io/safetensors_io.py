@@ -815,6 +815,8 @@ class _BackgroundWriter:
         """Run each queued check once its range is in the file; its held bytes are released after it."""
         while (job := self._cq.get()) is not None:
             chk, begin, end = job
+            hold = chk.hold
+            del job
             try:
                 with self._cond:
                     while self._written < end and self._error is None:
@@ -828,8 +830,11 @@ class _BackgroundWriter:
             except BaseException as exc:  # reported to the producer
                 self._fail(exc)
             finally:
+                # the check, and the unit its function holds, let go before its bytes leave the budget:
+                # not kept alive while this shard's next check is awaited (one unit per open shard)
+                del chk
                 with self._budget.cond:
-                    self._budget.used -= chk.hold
+                    self._budget.used -= hold
                     self._budget.cond.notify_all()
 
     def _will_need(self, job: tuple[FileSlice, ...]) -> None:
