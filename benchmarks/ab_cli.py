@@ -75,6 +75,7 @@ def main() -> None:
             log.write(line + "\n")
 
     shutil.rmtree(args.work / "out", ignore_errors=True)
+    args.work.mkdir(parents=True, exist_ok=True)  # DST's parent, also when SRC is given
     src = args.src
     if src is None:
         sys.path.insert(0, str(HERE))

@@ -10,8 +10,11 @@ fresh process. The process runs the CLI as ``python -m mxfp4conv`` does, with ti
 since the launcher started it) taken by wrappers around a few functions and around the imports of
 torch, numpy, triton and the package's modules, and by a thread that watches the staged shards'
 size every 5 ms; nothing else of the command changes. A variant's ``CWD`` runs the checkout found
-there (a same-run A/B of two versions). Every event goes to OUT_DIR/trace_<variant>_r<round>.txt;
-one JSON line per run gives the milestones, then the medians per variant.
+there (a same-run A/B of two versions); its other variables are set in the conversion's environment
+(``pyc:PYTHONPYCACHEPREFIX=/tmp/pyc``: torch's bytecode from a cache, ``benchmarks/import_bytecode.sh``).
+The first line says whether torch's bytecode is cached for a process started as this one; every
+event goes to OUT_DIR/trace_<variant>_r<round>.txt; one JSON line per run gives the milestones, then
+the medians per variant.
 """
 
 from __future__ import annotations
@@ -139,14 +142,17 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--src", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", default="new:", help="';'-separated NAME:CWD=FOLDER ('new:' = this checkout)")
+    ap.add_argument("--variants", default="new:",
+                    help="';'-separated NAME:VAR=V,... ('new:' = this checkout as is); CWD=FOLDER runs the checkout "
+                         "there, any other VAR is set in the conversion's environment")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     args, extra = ap.parse_args(argv[:cut]), argv[cut + 1:]  # after "--": more convert flags
     args.out.mkdir(parents=True, exist_ok=True)
-    from device_e2e import parse_variants  # the same NAME:VAR=V;... syntax
+    from device_e2e import parse_variants, torch_bytecode_cached  # the same NAME:VAR=V;... syntax
 
     variants = parse_variants(args.variants)
+    print(json.dumps({"date": time.strftime("%Y-%m-%d"), "torch_bytecode_cached": torch_bytecode_cached()}), flush=True)
     dst = args.out / "dst"
     rows: dict[str, list[dict[str, float | None]]] = {name: [] for name, _ in variants}
     for r in range(args.rounds):
@@ -159,7 +165,8 @@ def main() -> None:
             t0 = time.time()
             res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(trace), str(t0), "convert",
                                   str(args.src.resolve()), str(dst.resolve()), "--to", "ct", "--json", *extra],
-                                 cwd=cwd, env={**os.environ, "PYTHONPATH": str(cwd)}, capture_output=True, text=True)
+                                 cwd=cwd, env={**os.environ, **{k: v for k, v in env.items() if k != "CWD"},
+                                               "PYTHONPATH": str(cwd)}, capture_output=True, text=True)
             wall = time.time() - t0
             if res.returncode:
                 raise SystemExit(f"{name}: convert failed ({res.returncode}): {res.stderr[-2000:]}")
