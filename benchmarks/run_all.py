@@ -4,7 +4,8 @@
 The GPU benchmarks (``bench_requant_gpu.py``, ``device_e2e.py``: the default command and
 ``--no-verify`` against ``cp -r`` + ``sync``, ``device_profile.py``, ``probe_start.py``,
 ``trace_start.py``: the start's milestones) need a CUDA
-machine and are run by hand (BENCHMARKS.md gives each command); ``rss_watch.py`` wraps any command.
+machine and are run by hand (BENCHMARKS.md gives each command); ``rss_watch.py`` wraps any command;
+``import_bytecode.sh`` times torch's import in fresh processes, with and without a bytecode cache.
 """
 
 from __future__ import annotations
