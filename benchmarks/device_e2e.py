@@ -36,11 +36,17 @@ from gen_checkpoint import generate
 PY = sys.executable
 
 
-def torch_bytecode_cached() -> bool:
-    """Whether a process started as this one was finds torch's modules compiled (the bytecode of its
-    ``__init__``, under ``PYTHONPYCACHEPREFIX`` when set). Without it every fresh process compiles
-    them: ~2 s more of torch's import on the H200 hosts (``benchmarks/import_bytecode.sh``)."""
-    return Path(importlib.util.cache_from_source(torch.__file__)).is_file()
+def torch_bytecode_cached(env: dict[str, str] | None = None) -> bool:
+    """Whether a process started with this one's environment updated by ``env`` finds torch's modules
+    compiled (the bytecode of its ``__init__``, under ``PYTHONPYCACHEPREFIX`` when set). Without it
+    every fresh process compiles them: ~2 s more of torch's import on the H200 hosts
+    (``benchmarks/import_bytecode.sh``)."""
+    prefix = {**os.environ, **(env or {})}.get("PYTHONPYCACHEPREFIX") or None
+    old, sys.pycache_prefix = sys.pycache_prefix, prefix
+    try:
+        return Path(importlib.util.cache_from_source(torch.__file__)).is_file()
+    finally:
+        sys.pycache_prefix = old
 
 
 def run(cmd: list[str]) -> float:
@@ -107,6 +113,11 @@ def main() -> None:
     ap.add_argument("--warmup", action="store_true",
                     help="convert a one-layer checkpoint on the GPU first (untimed): Triton's disk cache is warm for every size")
     ap.add_argument("--src", type=Path, help="convert this NVFP4 checkpoint (kept) instead of generating one")
+    ap.add_argument("--bytecode-cache", type=Path,
+                    help="first write the bytecode of every module a conversion of this checkout imports (torch's and "
+                         "Triton's included) under this folder, in one untimed conversion; variants read it with "
+                         "PYTHONPYCACHEPREFIX=<folder> (torch's import with and without bytecode, "
+                         "benchmarks/import_bytecode.sh)")
     ap.add_argument("--hashers", default="", help="comma list of MXFP4CONV_HASHER values, alternated within each round")
     ap.add_argument("--shard-sizes", default="", help="comma list of --max-shard-size values, alternated within each round")
     ap.add_argument("--variants", default="",
@@ -139,6 +150,11 @@ def main() -> None:
         conv(generate(w / "warm", "modelopt-nvfp4", 1), w / "warm-out", "--device", "cuda", "--no-verify")
         shutil.rmtree(w / "warm", ignore_errors=True)
         shutil.rmtree(w / "warm-out", ignore_errors=True)
+    if args.bytecode_cache:  # an empty PYTHONDONTWRITEBYTECODE lets this one process write bytecode
+        conv(generate(w / "bc", "modelopt-nvfp4", 1), w / "bc-out",
+             env={"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(args.bytecode_cache.resolve())})
+        shutil.rmtree(w / "bc", ignore_errors=True)
+        shutil.rmtree(w / "bc-out", ignore_errors=True)
     hashers = [h for h in args.hashers.split(",") if h] or [""]
     sizes = [v for v in args.shard_sizes.split(",") if v] or [""]
     points: list[tuple[float, float, float]] = []
@@ -234,7 +250,8 @@ def big(w: Path, layers: int, emit: Any, rounds: int = 1, verify: bool = True, s
                    "throughput_vs_cp": round(t_cp / t_conv, 3), "peak_rss_gb": round(RSS["out"] / 1e9, 3),
                    "rss_budget_gb": round(budget / 1e9, 3), "rss_within_budget": RSS["out"] <= budget}
             rows.append(row)
-            emit(case="nvfp4 -> mxfp4 end to end, all GPUs", env=venv, hasher=hasher or "default",
+            emit(case="nvfp4 -> mxfp4 end to end, all GPUs", env=venv, torch_bytecode_cached=torch_bytecode_cached(env),
+                 hasher=hasher or "default",
                  max_shard_size=shard or "default", shards=len(list((w / "out").glob("*.safetensors"))), layers=layers,
                  gb=round(size / 1e9, 2), gweights=round(weights / 1e9, 2), **row, in_process_s=stages.get("total"),
                  in_process_vs_cp=round(t_cp / stages["total"], 3) if stages.get("total") else None,
