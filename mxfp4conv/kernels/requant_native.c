@@ -29,6 +29,10 @@
 #define MULTIVERSION
 #endif
 
+#if defined(__GNUC__)
+typedef uint64_t u64x2 __attribute__((vector_size(16)));
+#endif
+
 static const float POS8[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -145,18 +149,24 @@ static inline int mse_lower(const float *qb, const float *ra, const float *rb, c
         const double a = 2.0 * (double)ra[t], b = (double)rb[t], u = (double)qb[t];
         v[t] = (double)n[t] * ((a - b) * ((u + u) - (a + b)));
     }
-    for (int w = 8; w >= 1; w >>= 1) /* exact, so a tree (vectorized) gives the same sum */
-        for (int t = 0; t < w; t++) v[t] += v[t + w];
-    return v[0] < 0.0;
+    /* exact, so a tree (vectorized) gives the same sum; a new array per level, not in place: the
+     * in-place form compiles to narrow stores read back by wide loads, which stall */
+    double v8[8], v4[4], v2[2];
+    for (int t = 0; t < 8; t++) v8[t] = v[t] + v[t + 8];
+    for (int t = 0; t < 4; t++) v4[t] = v8[t] + v8[t + 4];
+    for (int t = 0; t < 2; t++) v2[t] = v4[t] + v4[t + 2];
+    return v2[0] + v2[1] < 0.0;
 }
 
 /* max |d| over the entries that occur (pm[t] = 1, else 0; the products are exact). */
 static inline float present_max(const float *d, const float *pm) {
     float v[16];
     for (int t = 0; t < 16; t++) v[t] = fabsf(d[t]) * pm[t];
-    for (int w = 8; w >= 1; w >>= 1) /* max is exact: a tree (vectorized) */
-        for (int t = 0; t < w; t++) v[t] = v[t] > v[t + w] ? v[t] : v[t + w];
-    return v[0];
+    float v8[8], v4[4], v2[2]; /* max is exact: a tree (vectorized), a new array per level as above */
+    for (int t = 0; t < 8; t++) v8[t] = v[t] > v[t + 8] ? v[t] : v[t + 8];
+    for (int t = 0; t < 4; t++) v4[t] = v8[t] > v8[t + 4] ? v8[t] : v8[t + 4];
+    for (int t = 0; t < 2; t++) v2[t] = v4[t] > v4[t + 2] ? v4[t] : v4[t + 2];
+    return v2[0] > v2[1] ? v2[0] : v2[1];
 }
 
 /* The 16 output bytes of a block: each nibble's magnitude (bits 0-2) replaced by its new code from
@@ -256,8 +266,13 @@ MULTIVERSION int mxfp4conv_requant_rows(const uint8_t *packed, const uint8_t *s,
                 c8[i >> 3] += (1ull << ((b & 7) * 8)) + (1ull << (((b >> 4) & 7) * 8));
             }
             uint8_t cnt[16];
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-            memcpy(cnt, c8, sizeof cnt); /* byte m of c8[h] is the count of magnitude m */
+#if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+            /* byte m of c8[h] is the count of magnitude m; joined in a register: two 8-byte stores
+             * read back by one 16-byte load would stall */
+            const u64x2 cv = {c8[0], c8[1]};
+            memcpy(cnt, &cv, sizeof cnt);
+#elif defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+            memcpy(cnt, c8, sizeof cnt);
 #else
             for (int t = 0; t < 16; t++) cnt[t] = (uint8_t)(c8[t >> 3] >> (8 * (t & 7)));
 #endif
