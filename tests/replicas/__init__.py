@@ -1,5 +1,9 @@
-"""Tiny replicas of the published FP4 MoE checkpoint families (docs/REAL_CHECKPOINTS.md) and a
-test-side resolver of what a runtime builds from a converted config."""
+"""Tiny replicas of the published FP4 MoE checkpoint families and a test-side resolver of what a
+runtime builds from a converted config.
+
+Each builder's docstring names the public sources of its structure (producer scripts and sources
+on GitHub: NVIDIA/Model-Optimizer, vllm-project/llm-compressor, vllm-project/vllm, huggingface/
+transformers; model cards on Hugging Face)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ BUILDERS: dict[str, Callable[[Path], Replica]] = {
     "modelopt-mixed-kimi_k2": partial(deepseek.modelopt_mixed, variant="kimi_k2"),
     "modelopt-mixed-deepseek_v32": partial(deepseek.modelopt_mixed, variant="deepseek_v32"),
     "modelopt-nvfp4-deepseek-v4": deepseek_v4.modelopt_nvfp4_v4,
+    "modelopt-nvfp4-deepseek-v4-two-configs": deepseek_v4.modelopt_nvfp4_v4_two_configs,
     "deepseek-v4-native-mxfp4": deepseek_v4.native_mxfp4_v4,
     "ct-nvfp4-qwen3-next": ct_families.qwen3_next,
     "ct-nvfp4-qwen3-vl-moe": ct_families.qwen3_vl_moe,
