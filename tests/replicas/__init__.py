@@ -3,7 +3,8 @@ runtime builds from a converted config.
 
 Each builder's docstring names the public sources of its structure (producer scripts and sources
 on GitHub: NVIDIA/Model-Optimizer, vllm-project/llm-compressor, vllm-project/vllm, huggingface/
-transformers; model cards on Hugging Face)."""
+transformers; model cards on Hugging Face). One family is written by its real producer
+(``granitemoe``: llm-compressor run in a subprocess)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from . import ct_families, deepseek, deepseek_v4
+from . import ct_families, deepseek, deepseek_v4, granitemoe
 from .common import Replica
 
 __all__ = ["BUILDERS", "PURE_NVFP4", "Replica"]
@@ -33,6 +34,7 @@ BUILDERS: dict[str, Callable[[Path], Replica]] = {
     "quark-nvfp4-deepseek-r1": deepseek.quark_nvfp4_r1,
     "autoround-mxfp4-qwen3-moe": ct_families.autoround_mxfp4,
     "modelopt-nvfp4-qwen3-moe": ct_families.modelopt_nvfp4_qwen3,
+    "llmcompressor-mxfp4-granitemoe": granitemoe.llmcompressor_mxfp4,
 }
 
 # The NVFP4 + BF16 compressed-tensors families the converter already handled before FP8 support.
