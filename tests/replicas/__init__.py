@@ -34,6 +34,7 @@ BUILDERS: dict[str, Callable[[Path], Replica]] = {
     "quark-nvfp4-deepseek-r1": deepseek.quark_nvfp4_r1,
     "autoround-mxfp4-qwen3-moe": ct_families.autoround_mxfp4,
     "modelopt-nvfp4-qwen3-moe": ct_families.modelopt_nvfp4_qwen3,
+    "modelopt-nvfp4-minimax-m2": ct_families.modelopt_nvfp4_minimax_m2,
     "llmcompressor-mxfp4-granitemoe": granitemoe.llmcompressor_mxfp4,
 }
 

@@ -381,3 +381,57 @@ def modelopt_nvfp4_qwen3(root: Path) -> Replica:
                    modules=dict(s.modules), runtime_names=_runtime(QKV, {}), kv_cache="fp8",
                    expected_targets=ALL_CONVERT, fused={"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
                    attention_layers=[f"model.layers.{n}.self_attn.attn" for n in range(2)])
+
+
+MINIMAX_EXCLUDE = ["lm_head", "model.layers.0.block_sparse_moe.gate", "model.layers.0.self_attn*",
+                   "model.layers.1.block_sparse_moe.gate", "model.layers.1.self_attn*"]
+
+
+def modelopt_nvfp4_minimax_m2(root: Path) -> Replica:
+    """MiniMax-M2.x ModelOpt NVFP4 "experts only" with an FP8 KV cache (nvidia/MiniMax-M2.5-NVFP4's recipe).
+
+    Sources: the Hugging Face model card of demon-zombie/MiniMax-M2.7-NVFP4 ("nvfp4_experts_only-fp8_kv
+    recipe - the same recipe structure as nvidia/MiniMax-M2.5-NVFP4": only the expert w1/w2/w3 NVFP4
+    W4A4 group 16; attention, router, embeddings, lm_head BF16; FP8 E4M3 KV cache with per-layer
+    ``k_proj.k_scale`` / ``v_proj.v_scale`` tensors; ``exclude_modules`` in hf_quant_config.json);
+    on-disk names from transformers ``models/minimax_m2`` and ``conversion_mapping.py`` (``minimax_m2``
+    uses Mixtral's mapping: ``block_sparse_moe.experts.E.w{1,2,3}``, router ``block_sparse_moe.gate``,
+    plus ``block_sparse_moe.e_score_correction_bias``; ``q_norm`` / ``k_norm`` over all heads); the
+    exclusions are what NVIDIA/Model-Optimizer ``modelopt/torch/export/quant_utils.py``
+    ``_prefix_wildcard_summarize_exclude_modules`` makes of these modules (``model.layers.N.self_attn*``,
+    the routers by name, ``lm_head``). vLLM ``vllm/model_executor/models/minimax_m2.py``: ``qkv_proj``
+    fused, experts one FusedMoE, ``self_attn.attn`` an ``Attention`` (the FP8 KV cache applies)."""
+    root.mkdir(parents=True)
+    s = Sink(89)
+    s.embedding("model.embed_tokens", VOCAB, H)
+    s.norm("model.norm", H)
+    s.bf16("lm_head", VOCAB, H)
+    for n in range(2):
+        p = f"model.layers.{n}"
+        s.norm(f"{p}.input_layernorm", H)
+        s.norm(f"{p}.post_attention_layernorm", H)
+        _attn(s, f"{p}.self_attn", s.bf16, norms=False)
+        s.norm(f"{p}.self_attn.q_norm", 2 * HEAD_DIM)
+        s.norm(f"{p}.self_attn.k_norm", HEAD_DIM)
+        for kv in ("k", "v"):
+            s.put(f"{p}.self_attn.{kv}_proj.{kv}_scale", torch.tensor(0.03 + 0.01 * n, dtype=torch.float32))
+        s.bf16(f"{p}.block_sparse_moe.gate", EXPERTS, H)
+        s.put(f"{p}.block_sparse_moe.e_score_correction_bias", torch.randn(EXPERTS, generator=s.gen).float())
+        for e in range(EXPERTS):
+            for w, (rows, cols) in {"w1": (MOE_I, H), "w3": (MOE_I, H), "w2": (H, MOE_I)}.items():
+                s.nvfp4_modelopt(f"{p}.block_sparse_moe.experts.{e}.{w}", rows, cols)
+    cfg = {"architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "hidden_size": H,
+           "intermediate_size": MOE_I, "num_local_experts": EXPERTS, "num_experts_per_tok": 2,
+           "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": HEAD_DIM,
+           "rotary_dim": HEAD_DIM // 2, "use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid",
+           "use_routing_bias": True, "vocab_size": VOCAB, "rms_norm_eps": 1e-6, "rope_theta": 5000000.0,
+           "max_position_embeddings": 512, "hidden_act": "silu", "tie_word_embeddings": False,
+           "torch_dtype": "bfloat16"}
+    write_json(root / "hf_quant_config.json", {"producer": {"name": "modelopt", "version": "0.41.0"}, "quantization": {
+        "quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16, "exclude_modules": MINIMAX_EXCLUDE}})
+    _finish(root, s, cfg, shards=3)
+    return Replica(path=root, family="modelopt-nvfp4-minimax-m2", layout="modelopt-nvfp4", scheme="w4a4",
+                   modules=dict(s.modules), runtime_names=_runtime(QKV, {}), kv_cache="fp8",
+                   expected_targets=ALL_CONVERT, fused={"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
+                   expert_projs=("w1", "w3", "w2"),
+                   attention_layers=[f"model.layers.{n}.self_attn.attn" for n in range(2)])
