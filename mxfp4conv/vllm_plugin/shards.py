@@ -60,13 +60,27 @@ class RankShards:
 
 
 def read_header(path: Path) -> tuple[dict[str, str], dict[str, TensorInfo]]:
+    """The shard's metadata and tensors; a shard shorter or longer than its header says is refused in one
+    line (an interrupted copy would otherwise stop vLLM's loader with safetensors' own error)."""
+    size = path.stat().st_size
     with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        if n > 100_000_000:
-            raise MarlinReadyMismatch(f"{path}: not a safetensors file (header length {n})")
-        head = json.loads(fh.read(n))
-    meta = head.pop("__metadata__", None) or {}
-    return meta, {k: TensorInfo(v["dtype"], tuple(v["shape"])) for k, v in head.items()}
+        raw = fh.read(8)
+        (n,) = struct.unpack("<Q", raw) if len(raw) == 8 else (-1,)
+        if not 0 < n <= min(100_000_000, size - 8):
+            raise MarlinReadyMismatch(f"{path}: not a safetensors file ({size} bytes, header length {n}): copy the "
+                                      "shard again, or convert again")
+        try:
+            head = json.loads(fh.read(n))
+            meta = head.pop("__metadata__", None) or {}
+            tensors = {k: TensorInfo(v["dtype"], tuple(v["shape"])) for k, v in head.items()}
+            end = max((int(v["data_offsets"][1]) for v in head.values()), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            raise MarlinReadyMismatch(f"{path}: its safetensors header does not parse ({type(e).__name__}): copy the "
+                                      "shard again, or convert again") from None
+    if 8 + n + end != size:
+        raise MarlinReadyMismatch(f"{path}: damaged: its header describes {8 + n + end} bytes, the file holds {size} "
+                                  "(copy the shard again, or convert again)")
+    return meta, tensors
 
 
 def read_rank_folder(folder: str | Path) -> RankShards:

@@ -80,3 +80,27 @@ def test_nothing_else_imports_the_plugin() -> None:
     for f in (ROOT / "mxfp4conv").rglob("*.py"):
         if "vllm_plugin" not in f.parts:
             assert "vllm_plugin" not in f.read_text(), f
+
+
+@pytest.mark.parametrize("cut", [4096, 1])
+def test_truncated_shard_is_refused_in_one_line(marlin_outputs: dict[str, Path], tmp_path: Path, cut: int) -> None:
+    """An interrupted copy: the header is whole, the data is not."""
+    import shutil
+
+    folder = shutil.copytree(marlin_outputs["q3tp1"] / "rank-0", tmp_path / "rank-0")
+    f = next(folder.glob("*.safetensors"))
+    size = f.stat().st_size
+    with open(f, "r+b") as fh:
+        fh.truncate(size - cut)
+    with pytest.raises(MarlinReadyMismatch) as e:
+        read_rank_folder(folder)
+    assert f"damaged: its header describes {size} bytes, the file holds {size - cut}" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_garbage_header_is_refused_in_one_line(tmp_path: Path) -> None:
+    f = tmp_path / "model.safetensors"
+    f.write_bytes((20).to_bytes(8, "little") + b"{not json at all}   " + b"\0" * 64)
+    with pytest.raises(MarlinReadyMismatch, match="safetensors header does not parse") as e:
+        read_rank_folder(tmp_path)
+    assert "\n" not in str(e.value)
