@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 DEMO := demo-out
 
-.PHONY: demo test test-slow test-gpu test-all lint fmt bench clean env env-vllm
+.PHONY: demo test test-slow test-gpu test-all lint fmt bench clean env env-vllm gpu-bundle
 
 env: $(STAMP)
 
@@ -54,8 +54,18 @@ test: $(STAMP) $(VLLM_STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
-test-gpu: $(STAMP)
-	$(BIN)/python -m pytest -q -m gpu
+# GPU tests. On a GPU machine with no project venv and no network (the H200 serving test), run them with
+# that machine's python3: `make test-gpu GPU_PYTHON=python3` (the venv is then neither built nor used).
+GPU_PYTHON ?= $(BIN)/python
+test-gpu: $(if $(filter $(BIN)/python,$(GPU_PYTHON)),$(STAMP))
+	$(GPU_PYTHON) -m pytest -q -m gpu $(GPU_TESTS)
+
+# What tests/vllm_plugin/test_vllm_gpu_serving.py needs on a GPU machine without network, into .vllm-gpu/
+# (git-ignored; 59 MB): vLLM 0.33.0's Python, its two stable-ABI libraries reduced to sm_90 and xz'd, the
+# engine's pure-Python dependencies (tests/gpu_serving/pins.txt) and an mxfp4conv wheel. Downloads are
+# kept in .vllm-gpu-cache/. GPU_BUNDLE_ARGS=--wheel-only refreshes only the wheel.
+gpu-bundle: $(STAMP)
+	$(BIN)/python -m tests.gpu_serving.bundle --out .vllm-gpu --cache .vllm-gpu-cache $(GPU_BUNDLE_ARGS)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
