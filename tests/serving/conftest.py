@@ -95,12 +95,13 @@ def swap_gate_up(src: Path, dst: Path, layer: int = 1) -> int:
     return len(gates)
 
 
-def _start_vllm(py: str, cases: list[dict[str, Any]], root: Path) -> tuple[subprocess.Popen[str], Path, Path]:
-    cases_file = root / "cases.json"
+def _start_vllm(py: str, cases: list[dict[str, Any]], root: Path, tag: str = "vllm", **extra_env: str,
+                ) -> tuple[subprocess.Popen[str], Path, Path]:
+    cases_file = root / f"{tag}.cases.json"
     cases_file.write_text(json.dumps(cases))
-    out, err = root / "vllm.stdout", root / "vllm.stderr"
+    out, err = root / f"{tag}.stdout", root / f"{tag}.stderr"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+           "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **extra_env}
     env.pop("PYTHONPATH", None)
     proc = subprocess.Popen([py, str(SERVE), str(cases_file)], stdout=out.open("w"), stderr=err.open("w"),
                             text=True, env=env, cwd=str(root))
@@ -168,9 +169,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
             S.quark_dense_to_bf16(out / "deepseek_r1--quark", out / "deepseek_r1--quark--bf16-dense-w4a16")
             add("deepseek_r1--quark--bf16-dense-w4a16", out / "deepseek_r1--quark--bf16-dense-w4a16")
     sv.seconds["build+convert"] = time.perf_counter() - t
+    forced = _forced_cases(out, prompts, neg) if neg not in sv.convert_errors else []
 
     t = time.perf_counter()
     proc, stdout, stderr = _start_vllm(py, cases, root)
+    # the loader-only path of an AVX2-only host, on this host too (vLLM's AVX2 library, loaded for real)
+    fproc, fstdout, fstderr = _start_vllm(py, forced, root, "vllm-avx2", MXFP4CONV_VLLM_CPU_ISA="avx2")
     try:
         # float32 references, computed while vLLM runs
         tr = time.perf_counter()
@@ -189,22 +193,42 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
         ref("gpt_oss", S.reference("gpt-oss", gpt), bf16=True)
         sv.seconds["references"] = time.perf_counter() - tr
         proc.wait(timeout=900)
+        fproc.wait(timeout=300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        for p in (proc, fproc):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     sv.seconds["vllm (wall, overlapping the references)"] = time.perf_counter() - t
     sv.stderr_tail = (stderr.read_text(errors="replace")[-3000:] + stdout.read_text(errors="replace")[-3000:])
-    line = next((ln for ln in stdout.read_text(errors="replace").splitlines() if ln.startswith(MARK)), None)
-    if line is None:
-        pytest.fail(f"vLLM process rc={proc.returncode} printed no result:\n{sv.stderr_tail}")
-    sv.results = {r["name"]: r for r in json.loads(line[len(MARK):])}
+    sv.results = _results(proc, stdout, sv.stderr_tail)
+    sv.forced = _results(fproc, fstdout, fstderr.read_text(errors="replace")[-3000:]) if forced else {}
     sv.seconds["total"] = time.perf_counter() - t0
     REPORT.append("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in sv.seconds.items()))
     REPORT.append("vLLM seconds per checkpoint: " + ", ".join(
         f"{n} {r.get('seconds', 0):.1f}" for n, r in sv.results.items()))
     backend = {str(r["mxfp4_moe_gate"]) for r in sv.results.values() if r.get("mxfp4_moe_gate") is not None}
     REPORT.append(f"vLLM CPU MXFP4 MoE backend gate: {sorted(backend)}")
+    paths = {f"{r.get('path', 'refused')} ({r.get('ops_library')})" for r in sv.results.values()}
+    REPORT.append(f"vLLM serving path: {sorted(paths)}; forced AVX2 cases: {len(sv.forced)}")
     return sv
+
+
+def _results(proc: subprocess.Popen[str], stdout: Path, tail: str) -> dict[str, dict[str, Any]]:
+    line = next((ln for ln in stdout.read_text(errors="replace").splitlines() if ln.startswith(MARK)), None)
+    if line is None:
+        pytest.fail(f"vLLM process rc={proc.returncode} printed no result:\n{tail}")
+    return {r["name"]: r for r in json.loads(line[len(MARK):])}
+
+
+def _forced_cases(out: Path, prompts: list[list[int]], neg: str) -> list[dict[str, Any]]:
+    """Cases for the forced AVX2 process: one output through the loader-only path, and the two
+    damaged copies compared with the undamaged output (the loader comparison's own negative control)."""
+    good = out / neg
+    return [{"name": neg, "model": str(good), "prompts": prompts},
+            {"name": f"{neg}--scales+1", "model": str(out / f"{neg}--scales+1"), "compare_with": str(good),
+             "prompts": prompts},
+            {"name": f"{neg}--gate-up-swapped", "model": str(out / f"{neg}--gate-up-swapped"),
+             "compare_with": str(good), "prompts": prompts}]
 
 

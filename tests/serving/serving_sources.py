@@ -284,6 +284,7 @@ class Served:
 
     root: Path
     results: dict[str, dict[str, Any]]
+    forced: dict[str, dict[str, Any]] = field(default_factory=dict)  # the forced AVX2 (loader-only) process's results
     refs: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [prompts, positions, vocab] log-probs
     gaps: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> routing gaps [prompts, positions]
     bf16_error: dict[str, float] = field(default_factory=dict)  # source -> E(transformers bf16, float32)

