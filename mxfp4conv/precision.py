@@ -68,13 +68,17 @@ class Declared:
     ``listed``: module pattern -> precision, for configs that name modules per scheme (ModelOpt
     ``quantized_layers``, compressed-tensors targets by name, Quark ``layer_quant_config``).
     ``exhaustive``: a module no entry lists is unquantized (ModelOpt ``MIXED_PRECISION``); otherwise it
-    falls under the config's main FP4 scheme.
+    falls under the config's main scheme.
+    ``main``: that scheme, where the config gives one to every Linear it does not exclude or list
+    (a compressed-tensors group targeting ``Linear``, ModelOpt ``quant_algo: NVFP4``, Quark's
+    ``global_quant_config``); None where the config's reach is not known module by module.
     ``kv_cache``: "fp8" when the config quantizes the KV cache.
     """
 
     unquantized: tuple[str, ...] = ()
     listed: Mapping[str, Precision] = field(default_factory=dict)
     exhaustive: bool = False
+    main: Precision | None = None
     kv_cache: str | None = None
     source: str = "config.json"  # the file the declaration came from (for problems)
 
@@ -276,21 +280,47 @@ class _Matcher:
         return name in self.exact or any(r.match(name) for r in self.rx)
 
 
+# Modules a runtime builds without the quantization config whatever it says (vLLM passes
+# ``quant_config=None`` to every MoE router and to Qwen's shared-expert gate, and quantizes the output
+# head only when a config names it): the config's main scheme does not reach them.
+_ROUTERS = ("gate", "router", "router.layer", "shared_expert_gate")
+_HEADS = frozenset({"lm_head", "head", "output"})
+
+
+def _runtime_unquantized(module: str, moe_blocks: set[str]) -> bool:
+    if module.rsplit(".", 1)[-1] in _HEADS:
+        return True
+    return any(module == f"{b}.{r}" for b in moe_blocks for r in _ROUTERS)
+
+
 def _cross_check(model: PrecisionModel, fp4_modules: list[str], declared: Declared) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     where = declared.source
     unquantized = _Matcher(declared.unquantized)
     exact = {pat: prec for pat, prec in declared.listed.items() if not fnmatch_to_re(pat).startswith("re:")}
     listed = [(_Matcher([pat]), prec) for pat, prec in declared.listed.items() if pat not in exact]
+    linears = {*model.fp8, *model.bf16, *fp4_modules}
+    # An exact entry that names a module holding no weight of its own covers the Linears under it:
+    # llm-compressor saves GraniteMoE's ignored ``block_sparse_moe.router`` while its Linear is ``router.layer``.
+    parents = {p for p in declared.unquantized if not p.startswith("re:") and not any(c in p for c in "*?")
+               and p not in linears}
+    moe_blocks = {c.rsplit(".", 1)[0] for m in (*fp4_modules, *model.bf16, *model.fp8) if (c := expert_container(m))}
 
     def said(module: str) -> Precision | None:
-        """What the config says ``module`` is: None when it only says "quantized with the main scheme"."""
-        if unquantized(module):
+        """What the config makes of ``module``: None when it does not say (no main scheme reaches it)."""
+        if unquantized(module) or any(module.startswith(p + ".") for p in parents):
             return "bf16"
         if module in exact:
             return exact[module]
+        container = expert_container(module)
+        if container is not None and container in exact:  # ModelOpt lists a MoE layer's experts by their container (vLLM asks the FusedMoE prefix)
+            return exact[container]
         got = next((prec for m, prec in listed if m(module)), None)
-        return got if got is not None or not declared.exhaustive else "bf16"
+        if got is not None:
+            return got
+        if declared.exhaustive:
+            return "bf16"
+        return None if _runtime_unquantized(module, moe_blocks) else declared.main
 
     for module, lin in model.fp8.items():
         got = said(module)
@@ -302,9 +332,11 @@ def _cross_check(model: PrecisionModel, fp4_modules: list[str], declared: Declar
         got = said(module)
         if got not in (None, "bf16"):
             out.append((module, f"tensors are unquantized but {where} declares {got}"))
-    if declared.listed:
-        for module in fp4_modules:
-            got = said(module)
-            if got is not None and got not in ("mxfp4", "nvfp4"):
-                out.append((module, f"tensors are FP4 but {where} declares {got}"))
+    for module in fp4_modules:
+        got = said(module)
+        if got in (None, "mxfp4", "nvfp4"):
+            continue
+        if got == "bf16" and not declared.listed and expert_container(module) is None:
+            continue  # a dense FP4 module an exclusion covers: the plan's own ignore check names its entry
+        out.append((module, f"tensors are FP4 but {where} declares {'the module unquantized' if got == 'bf16' else got}"))
     return out

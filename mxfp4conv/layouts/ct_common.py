@@ -79,6 +79,7 @@ def declared(ckpt: Checkpoint) -> Declared:
         return Declared(unquantized=tuple(kept))
     listed: dict[str, Precision] = {}
     by_class = False
+    main: Precision | None = None
     groups = q.get("config_groups")
     for g in groups.values() if isinstance(groups, dict) else ():
         targets = g.get("targets") if isinstance(g, dict) else None
@@ -91,10 +92,12 @@ def declared(ckpt: Checkpoint) -> Declared:
                     listed[t] = prec
             else:
                 by_class = True  # "Linear" and other class names
+                if t == "Linear" and main is None:
+                    main = prec
     kv = q.get("kv_cache_scheme")
     fp8_kv = isinstance(kv, dict) and kv.get("num_bits") == 8 and kv.get("type") == "float"
     return Declared(unquantized=tuple(_ignore(q)), listed=listed, exhaustive=bool(listed) and not by_class,
-                    kv_cache="fp8" if fp8_kv else None)
+                    main=main, kv_cache="fp8" if fp8_kv else None)
 
 
 def facts(ckpt: Checkpoint, quant: str) -> ModelFacts:

@@ -67,13 +67,25 @@ def _has_nvfp4(info: dict[str, Any]) -> bool:
     return algo in ("NVFP4", "FP4") or (algo == "MIXED_PRECISION" and "nvfp4" in _listed(info).values())
 
 
+def _fp8_with_nvfp4_experts(ckpt: Checkpoint) -> bool:
+    """DeepSeek-V4 NVFP4: config.json's FP8 config rules every Linear but the routed experts."""
+    q = ckpt.config.get("quantization_config")
+    return isinstance(q, dict) and q.get("quant_method") == "fp8" and str(q.get("moe_quant_algo", "")).upper() == "NVFP4"
+
+
 def declared(ckpt: Checkpoint) -> Declared:
+    """What the config the runtime reads says. vLLM reads config.json's ``quantization_config`` when there
+    is one and hf_quant_config.json only otherwise; DeepSeek-V4's FP8 config names no modules (the tensors
+    say which Linears are FP8), and ModelOpt's exclusions beside it mean "not NVFP4", not "unquantized"."""
+    if _fp8_with_nvfp4_experts(ckpt):
+        return Declared(source="config.json")
     info, _ = quant_info(ckpt)
     exclude = info.get("exclude_modules") or []
     mixed = str(info.get("quant_algo", "")).upper() == "MIXED_PRECISION"
     kv = str(info.get("kv_cache_quant_algo") or "").upper()
+    main: Precision | None = "nvfp4" if str(info.get("quant_algo", "")).upper() in ("NVFP4", "FP4") else None
     return Declared(unquantized=tuple(x for x in exclude if isinstance(x, str)) if isinstance(exclude, list) else (),
-                    listed=_listed(info) if mixed else {}, exhaustive=mixed, kv_cache="fp8" if kv == "FP8" else None,
+                    listed=_listed(info) if mixed else {}, exhaustive=mixed, main=main, kv_cache="fp8" if kv == "FP8" else None,
                     source="hf_quant_config.json" if ckpt.hf_quant_config else "config.json")
 
 

@@ -60,7 +60,7 @@ def declared(ckpt: Checkpoint) -> Declared:
                 and any(_fnmatch(str(k), str(p)) for p in group)]
         kv = "fp8" if outs and all(o.get("dtype") == "fp8_e4m3" for o in outs) else None
     return Declared(unquantized=tuple(str(x) for x in exclude) if isinstance(exclude, list) else (), listed=listed,
-                    kv_cache=kv)
+                    main=quark_spec_precision(q.get("global_quant_config")), kv_cache=kv)
 
 
 def _fnmatch(name: str, pattern: str) -> bool:

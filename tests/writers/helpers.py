@@ -22,7 +22,7 @@ EXCLUDE = ["lm_head", "model.layers.*.mlp.gate", "model.layers.1.self_attn*", "m
 
 
 def mixed_nvfp4(root: Path, *, fp8_k_proj: bool = False, kv_cache: bool = True) -> Path:
-    """ModelOpt NVFP4 experts (W4A4) in a 2-layer Qwen3-MoE, beside: FP8 per-tensor ``layers.0 o_proj`` (static
+    """ModelOpt MIXED_PRECISION: NVFP4 experts (W4A4) in a 2-layer Qwen3-MoE, beside: FP8 per-tensor ``layers.0 o_proj`` (static
     input scale), FP8 128x128-block ``layers.0 q_proj`` (DeepSeek ``weight_scale_inv`` F32), BF16 attention in
     layer 1, an unlisted BF16 ``shared_expert_gate``, an MTP layer ``model.layers.2`` (past num_hidden_layers)
     with a BF16 ``eh_proj`` and an FP8 ``o_proj`` (no input scale), k/v scales and ``kv_cache_quant_algo: FP8``.
@@ -44,8 +44,14 @@ def mixed_nvfp4(root: Path, *, fp8_k_proj: bool = False, kv_cache: bool = True) 
         t.fp8_tensor(f"{MTP}.self_attn.o_proj", 64, 64, input_scale=False)
 
     exclude = [e for e in EXCLUDE if not (fp8_k_proj and e.endswith(".k_proj"))]
-    quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8" if kv_cache else None, "group_size": 16,
-             "exclude_modules": exclude}
+    # ModelOpt writes such a mix as MIXED_PRECISION: every quantized module listed with its algorithm
+    layers: dict[str, Any] = {f"model.layers.{n}.mlp.experts": {"quant_algo": "NVFP4", "group_size": 16} for n in (0, 1)}
+    layers |= {f"{A0}.o_proj": {"quant_algo": "FP8"}, f"{A0}.q_proj": {"quant_algo": "FP8_PB_WO"},
+               f"{MTP}.self_attn.o_proj": {"quant_algo": "FP8"}}
+    if fp8_k_proj:
+        layers[f"{A0}.k_proj"] = {"quant_algo": "FP8"}
+    quant = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": "FP8" if kv_cache else None,
+             "exclude_modules": exclude, "quantized_layers": layers}
     return builders.moe_checkpoint(root, expert, {"quant_method": "modelopt", **quant}, extra=extra, shards=1,
                                    hf_quant_config={"producer": {"name": "modelopt"}, "quantization": quant})
 
