@@ -5,7 +5,8 @@ Experts are written per expert under the names the architecture's vLLM/SGLang lo
 modules form one config group targeting ``Linear``; FP8 Linears get groups of their own that name
 them (vLLM matches names before class names), 128x128 block scales under the name compressed-tensors
 reads (``weight_scale``); unquantized Linears are ``ignore``d; an FP8 KV cache is ``kv_cache_scheme``.
-A compressed-tensors source keeps its own config: its NVFP4 groups become MXFP4 groups, targets kept.
+A compressed-tensors source keeps its own config: its NVFP4 groups become MXFP4 groups, targets kept,
+and ``ignore`` gains every unquantized Linear its entries do not reach by the runtime's matching.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from mxfp4conv.precision import mtp_runtime_name, runtime_pattern
+from mxfp4conv.resolve import resolve_ct
 from mxfp4conv.writers.base import SplitTarget, WriterContext
 from mxfp4conv.writers.layers import fp8_groups, precision_refusal, unquantized_entries
 
@@ -81,6 +84,20 @@ def _from_ct_source(src_q: dict[str, Any], ctx: WriterContext) -> dict[str, Any]
     return q
 
 
+def _complete_ignore(q: dict[str, Any], ctx: WriterContext) -> dict[str, Any]:
+    """The source's ``ignore`` plus, by exact name (and its MTP runtime pattern), every unquantized Linear
+    that the source's entries miss under the runtime's matching: producers name the module they were
+    told to skip (llm-compressor's GraniteMoE ``block_sparse_moe.router``), not always the Linear on disk
+    (``router.layer``), which a ``Linear`` target would then claim."""
+    ignore = list(q.get("ignore") or [])
+    n = ctx.facts.num_layers
+    for m in ctx.precision.bf16:
+        names = [m] + [r for r in (mtp_runtime_name(m, n),) if r]
+        if any(resolve_ct({**q, "ignore": ignore}, name) != "bf16" for name in names):
+            ignore += [m] if runtime_pattern(m, n) == m else [m, runtime_pattern(m, n)]
+    return {**q, "ignore": ignore}
+
+
 class CtTarget(SplitTarget):
     NAME = "ct"
     PACKED = "weight_packed"
@@ -103,7 +120,7 @@ class CtTarget(SplitTarget):
         src_q = src_config.get("quantization_config")
         if isinstance(src_q, dict) and src_q.get("quant_method") == "compressed-tensors":
             # already a compressed-tensors description of every layer
-            out["quantization_config"] = src_q if ctx.layout == "ct-mxfp4" else _from_ct_source(src_q, ctx)
+            out["quantization_config"] = _complete_ignore(src_q if ctx.layout == "ct-mxfp4" else _from_ct_source(src_q, ctx), ctx)
         else:
             out["quantization_config"] = quantization_config(ctx)
         return out

@@ -32,12 +32,13 @@ def precision_refusal(ctx: WriterContext, target: str, *, fp8_block: bool, e8m0_
     p = ctx.precision
     for lin in p.fp8.values():
         if not fp8:
-            return f"{lin.module}: {_fp8_label(lin)} has no {target} scheme (the layout holds FP4 and BF16 only)"
+            return (f"{lin.module}: {_fp8_label(lin)} has no {target} scheme (the layout holds FP4 and BF16 only); "
+                    "--to quark or --to ct describe FP8 layers")
         if lin.kind == "fp8-block" and not fp8_block:
-            return f"{lin.module}: {_fp8_label(lin)} 128x128 block FP8 has no {target} scheme"
+            return f"{lin.module}: {_fp8_label(lin)} 128x128 block FP8 has no {target} scheme; --to quark describes it"
         if lin.scale_dtype == "F8_E8M0" and not e8m0_block:
-            return (f"{lin.module}: FP8 with E8M0 block scales ({lin.scale}) has no {target} scheme; "
-                    "serve this checkpoint in its own layout")
+            return (f"{lin.module}: FP8 with E8M0 block scales ({lin.scale}) has no {target} scheme (its FP8_BLOCK "
+                    "scales are float tensors); --to quark carries them as they are (per_block FP8, E8M0 scales)")
     if p.foreign_fp4:
         return (f"{p.foreign_fp4[0]}: FP4 weights in a naming the {ctx.layout} layout does not convert "
                 "(they cannot be carried as unquantized)")

@@ -78,9 +78,6 @@ class Replica:
     attention_layers: list[str] = field(default_factory=list)  # runtime attention prefixes (KV cache)
     mla: bool = False  # those are MLAAttention layers (DeepSeek), not Attention
     renames: dict[str, dict[str, str]] = field(default_factory=dict)  # target -> {source suffix: output suffix}
-    # target -> source suffixes of FP8 modules whose values must arrive exactly but may change float dtype
-    # (DeepSeek-V4's F8_E8M0 block scales as compressed-tensors float scales)
-    value_exact: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def precision_counts(self) -> dict[str, int]:
         """What ``inspect --json`` must report under ``"precision"``."""

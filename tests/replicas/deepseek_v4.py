@@ -163,13 +163,7 @@ def modelopt_nvfp4_v4_two_configs(root: Path) -> Replica:
              quantized_layers=dict(quant["quantized_layers"]), ignore=list(quant["exclude_modules"]))
     write_json(root / "config.json", cfg)
     write_json(root / "hf_quant_config.json", {"producer": dict(MODELOPT_V4_PRODUCER), "quantization": quant})
-    # ct: compressed-tensors FP8_BLOCK with float scales holds an E8M0 scale (a power of two) exactly
-    # (issue 36), so the scales' values must arrive unchanged, in whatever float dtype; marlin: refused
-    # like the other DeepSeek-V4 replicas (its rank config describes FP8 layers in the compressed-tensors
-    # syntax, whose E8M0 support is what issue 36 scope 3 decides).
-    targets: dict[str, str | None] = {"ct": None, "quark": None, "marlin": "e8m0"}
     return Replica(path=root, family="modelopt-nvfp4-deepseek-v4-two-configs", layout="modelopt-nvfp4",
                    scheme="w4a4", modules=dict(s.modules), runtime_names=identity_names, kv_cache=None,
-                   expected_targets=targets, expert_projs=("w1", "w3", "w2"),
-                   renames={"quark": {"scale": "weight_scale"}, "ct": {"scale": "weight_scale"}},
-                   value_exact={"ct": ("scale",)})
+                   expected_targets=QUARK_ONLY, expert_projs=("w1", "w3", "w2"),
+                   renames={"quark": {"scale": "weight_scale"}})

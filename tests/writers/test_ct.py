@@ -123,7 +123,8 @@ def test_split_names_and_roundtrip(mixed: Path) -> None:
 def test_deepseek_v4_names_and_e8m0_refusal(deepseek_v4: Path) -> None:
     ctx, _ = context(deepseek_v4)
     assert CT.refuse(ctx) == ("layers.0.attn.wo_b: FP8 with E8M0 block scales (scale) has no compressed-tensors "
-                              "scheme; serve this checkpoint in its own layout")
+                              "scheme (its FP8_BLOCK scales are float tensors); --to quark carries them as they are "
+                              "(per_block FP8, E8M0 scales)")
     spec = next(u for u in ctx.units if u.kind == "moe")
     assert [t.name for t in CT.out_specs(spec, ctx)][:2] == [f"{spec.key}.0.w1.weight_packed", f"{spec.key}.0.w1.weight_scale"]
 

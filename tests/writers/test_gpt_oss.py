@@ -41,7 +41,7 @@ def test_fp4_dense_layers_and_fp8_layers_are_refused() -> None:
     o = "model.layers.0.self_attn.o_proj"
     fp8 = PrecisionModel(fp8={o: Fp8Linear(o, "fp8-tensor", "weight_scale", "F32")})
     assert GPT.refuse(_ctx([moe], fp8)) == (f"{o}: fp8-tensor (weight_scale F32) has no gpt-oss scheme "
-                                            "(the layout holds FP4 and BF16 only)")
+                                            "(the layout holds FP4 and BF16 only); --to quark or --to ct describe FP8 layers")
 
 
 def test_config_keeps_a_native_source_list(gpt_oss: Path) -> None:

@@ -41,11 +41,13 @@ def test_nothing_to_refuse() -> None:
 
 @pytest.mark.parametrize(("lin", "kw", "want"), [
     (fp8(O0), {"fp8": False, "fp8_block": False},
-     f"{O0}: fp8-tensor (weight_scale F32) has no T scheme (the layout holds FP4 and BF16 only)"),
+     f"{O0}: fp8-tensor (weight_scale F32) has no T scheme (the layout holds FP4 and BF16 only); "
+     "--to quark or --to ct describe FP8 layers"),
     (fp8(Q0, "fp8-block", "weight_scale_inv"), {"fp8_block": False},
-     f"{Q0}: fp8-block (weight_scale_inv F32) 128x128 block FP8 has no T scheme"),
+     f"{Q0}: fp8-block (weight_scale_inv F32) 128x128 block FP8 has no T scheme; --to quark describes it"),
     (fp8(Q0, "fp8-block", "scale", "F8_E8M0"), {"fp8_block": True},
-     f"{Q0}: FP8 with E8M0 block scales (scale) has no T scheme; serve this checkpoint in its own layout"),
+     f"{Q0}: FP8 with E8M0 block scales (scale) has no T scheme (its FP8_BLOCK scales are float tensors); "
+     "--to quark carries them as they are (per_block FP8, E8M0 scales)"),
 ])
 def test_refusals_name_the_layer(lin: Fp8Linear, kw: dict[str, bool], want: str) -> None:
     assert precision_refusal(ctx(PrecisionModel(fp8={lin.module: lin})), "T", **kw) == want
