@@ -153,7 +153,7 @@ def _gc_paused() -> Iterator[None]:
     """Python's cyclic collector paused while headers are parsed: they allocate ~5 objects per tensor
     (74K tensors in a Qwen3-30B-A3B, 190K in a DeepSeek-V3) and hold no cycles, but every allocation
     burst triggers collections that walk every live object again (~40% of ``open_checkpoint``, more
-    the larger the process: ``benchmarks/probe_plan.py``)."""
+    the larger the process)."""
     was = gc.isenabled()
     gc.disable()
     try:

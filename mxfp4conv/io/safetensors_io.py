@@ -1,8 +1,8 @@
 """Header-only safetensors reading, lazy per-tensor loads, and a streaming shard writer.
 
-One module of ~940 lines: the reader and the writer share the FileSlice / TensorRef types, the
-dtype tables and the short-read handling, and the writer's three threads (write, hash, check) and
-their batching are one unit of behaviour that its tests exercise together.
+One module: the reader and the writer share the FileSlice / TensorRef types, the dtype tables and
+the short-read handling, and the writer's three threads (write, hash, check) and their batching are
+one unit of behaviour that its tests exercise together.
 
 A checkpoint is enumerated from the 8-byte length + JSON header of each shard; tensor data is read
 only when ``TensorRef.load()`` is called, with ``os.pread`` on the exact byte range. Every header
@@ -168,10 +168,9 @@ COPY_CHUNK = 16 << 20
 # The hasher's read size. Each pread and each sha256 call gives the GIL back, and taking it back waits
 # up to the switch interval (5 ms) while the producer runs Python (the GPU path's readers and
 # encoder), so small chunks collapse under contention: 1 MiB hashed at 1.25 GB/s alone but 0.09 GB/s
-# beside a Python-busy thread, 16 MiB at 0.74-1.12 and 0.65 (benchmarks/probe_hash_gil.py, dev VM).
-# 1 MiB chunks are 3-6% faster alone, but with them the H200 pipeline's
-# hash seconds then rose from 17.2 to 22-26 s at 48 layers. This is the hashlib path's read size: by
-# default (MXFP4CONV_HASHER=auto) a range is hashed in one GIL-free call of the native hasher instead
+# beside a Python-busy thread, 16 MiB at 0.74-1.12 GB/s alone and 0.65 beside it. 1 MiB chunks are
+# 3-6% faster alone, but in a 48-layer GPU conversion they made the hash stage 30-50% slower. This is
+# the hashlib path's read size: by default (MXFP4CONV_HASHER=auto) a range is hashed in one GIL-free call of the native hasher instead
 # (mxfp4conv/io/hash_native.py, reading hash_native.CHUNK at a time), with hashlib as the fallback.
 HASH_CHUNK = 16 << 20
 # How the writer thread copies a source byte range: "copy_file_range" (kernel-side, the default where
