@@ -170,8 +170,9 @@ COPY_CHUNK = 16 << 20
 # encoder), so small chunks collapse under contention: 1 MiB hashed at 1.25 GB/s alone but 0.09 GB/s
 # beside a Python-busy thread, 16 MiB at 0.74-1.12 GB/s alone and 0.65 beside it. 1 MiB chunks are
 # 3-6% faster alone, but in a 48-layer GPU conversion they made the hash stage 30-50% slower. This is
-# the hashlib path's read size: by default (MXFP4CONV_HASHER=auto) a range is hashed in one GIL-free call of the native hasher instead
-# (mxfp4conv/io/hash_native.py, reading hash_native.CHUNK at a time), with hashlib as the fallback.
+# the hashlib path's read size: by default (MXFP4CONV_HASHER=auto) a range is hashed in one GIL-free
+# call of the native hasher instead (mxfp4conv/io/hash_native.py, reading hash_native.CHUNK at a
+# time), with hashlib as the fallback.
 HASH_CHUNK = 16 << 20
 # How the writer thread copies a source byte range: "copy_file_range" (kernel-side, the default where
 # Python has it: Linux), or "readwrite" (pread into a reused buffer, then write). A filesystem pair
