@@ -2,7 +2,7 @@
 
 The hasher thread of a shard used to ``pread`` and ``hashlib`` ``update`` chunk by chunk; each call
 gives the GIL back and taking it back waits up to the switch interval (5 ms) while the producer thread
-runs Python, which halved the hasher's speed on an H200 host (benchmarks/probe_hash_gil.py).
+runs Python, which halved the hasher's speed beside a GPU conversion's readers and encoder.
 ``NativeSha256.hash_range`` loops pread + ``EVP_DigestUpdate`` over a whole range in C, in one ctypes
 call (ctypes releases the GIL for the call), with the sha256 of the libcrypto that Python's own
 ``_hashlib`` links against: the digest is the one ``hashlib.sha256`` gives (checked once per process
@@ -33,7 +33,7 @@ __all__ = ["CHUNK", "NativeSha256", "build_error", "hasher_mode", "load", "sha25
 
 CFLAGS = ("-O2", "-std=c99", "-shared", "-fPIC")
 # Read size of the native loop: the GIL is not involved, so a chunk that stays in the L2 cache
-# between the pread and the sha256 is as fast as any (benchmarks/probe_hash_gil.py --hasher).
+# between the pread and the sha256 is as fast as any.
 CHUNK = 1 << 20
 _SOURCE = Path(__file__).with_name("hash_native.c")
 _lock = threading.Lock()
