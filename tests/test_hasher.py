@@ -11,17 +11,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from mxfp4conv.cbuild import compiler
 from mxfp4conv.errors import InputError
 from mxfp4conv.io import hash_native as hn
 from mxfp4conv.io import safetensors_io as sio
-from mxfp4conv.kernels import requant_native
 from tests.builders import build
 
 
 @pytest.fixture
 def native(monkeypatch: pytest.MonkeyPatch) -> hn._Native:
     """The native helper, which must load wherever a C compiler and a libcrypto exist."""
-    if requant_native._compiler() is None or hn._libcrypto_path() is None:
+    if compiler() is None or hn._libcrypto_path() is None:
         pytest.skip("no C compiler or no libcrypto: only the hashlib path can run here")
     monkeypatch.setenv("MXFP4CONV_HASHER", "native")
     lib = hn.load()
@@ -116,7 +116,7 @@ def _writer_job(tmp_path: Path) -> tuple[list[tuple[str, str, tuple[int, ...]]],
 @pytest.mark.parametrize("mode", ["native", "hashlib"])
 def test_stream_digest_is_the_files_sha256_in_both_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           mode: str) -> None:
-    if mode == "native" and requant_native._compiler() is None:
+    if mode == "native" and compiler() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("MXFP4CONV_HASHER", mode)
     entries, items = _writer_job(tmp_path)
@@ -128,7 +128,7 @@ def test_stream_digest_is_the_files_sha256_in_both_modes(tmp_path: Path, monkeyp
 
 @pytest.mark.parametrize("mode", ["native", "hashlib"])
 def test_e8m0_0xff_is_caught_in_both_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
-    if mode == "native" and requant_native._compiler() is None:
+    if mode == "native" and compiler() is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("MXFP4CONV_HASHER", mode)
     src = tmp_path / "src.safetensors"
@@ -203,7 +203,7 @@ def test_no_libcrypto_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 def test_a_wrong_native_digest_is_refused_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A helper that hashes the wrong bytes (here: one byte short per chunk) fails the self-check on
     load: auto falls back to hashlib, native is an error."""
-    if requant_native._compiler() is None:
+    if compiler() is None:
         pytest.skip("no C compiler")
     bad = tmp_path / "hash_native.c"
     bad.write_text(hn._SOURCE.read_text().replace("update(ctx, buf, (size_t)got)", "update(ctx, buf, (size_t)got - 1)"))
@@ -237,7 +237,7 @@ def test_conversion_manifests_identical_native_and_hashlib(srcs: dict[str, Path]
 
     from mxfp4conv.cli import cli
 
-    if requant_native._compiler() is None:
+    if compiler() is None:
         pytest.skip("no C compiler")
     outputs = {}
     for mode in ("native", "hashlib"):

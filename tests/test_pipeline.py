@@ -216,9 +216,9 @@ def test_nvfp4_report_has_stats(srcs: dict[str, Path], tmp_path: Path) -> None:
     assert manifest["requant_stats"] == doc["requant_stats"]
     cfg = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
     assert cfg["format"] == "mxfp4-pack-quantized" and cfg["config_groups"]["group_0"]["weights"]["group_size"] == 32
-    from mxfp4conv.kernels.requant_native import _compiler
+    from mxfp4conv.cbuild import compiler
 
-    kernel = "native" if _compiler() is not None else "torch"  # CI and dev machines have a C compiler
+    kernel = "native" if compiler() is not None else "torch"  # CI and dev machines have a C compiler
     assert doc["compute"] == {"devices": ["cpu"], "cpu_kernel": kernel}
     # per-stage busy seconds: every stage worked, none is negative, none outlasts the wall time
     sec = doc["seconds"]

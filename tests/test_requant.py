@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import mxfp4conv.requant as rq
 from mxfp4conv.canonical import FP4Weight
+from mxfp4conv.cbuild import compiler
 from mxfp4conv.formats.mxfp4 import ScaleRule
 from mxfp4conv.formats.nvfp4 import MAX_REQUANT_MAGNITUDE
 from mxfp4conv.kernels import requant_native
@@ -113,7 +114,7 @@ def cpu_kernel(mode: str) -> Iterator[None]:
             os.environ["MXFP4CONV_CPU_KERNEL"] = old
 
 
-HAS_CC = requant_native._compiler() is not None  # CI and dev machines have one; then it must build
+HAS_CC = compiler() is not None  # CI and dev machines have one; then it must build
 
 
 def both_cpu_paths(*args: Any, **kw: Any) -> tuple[torch.Tensor, ...]:
@@ -505,7 +506,7 @@ def test_concurrent_first_builds_and_a_damaged_cache(tmp_path: Path) -> None:
     assert out.returncode == 0 and Path(out.stdout.strip()) == lib and lib.stat().st_size > 1000
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or requant_native._compiler() is None
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or compiler() is None
                     or shutil.which("nm") is None, reason="x86-64 with a C compiler and nm")
 def test_x86_64_kernel_carries_one_row_function_per_vector_level() -> None:
     """The loaded build is the multi-versioned one (a fallback to the single SSE2 build would be slower
@@ -516,7 +517,7 @@ def test_x86_64_kernel_carries_one_row_function_per_vector_level() -> None:
     assert "mxfp4conv_requant_rows.avx2" in syms and "mxfp4conv_requant_rows.default" in syms
 
 
-@pytest.mark.skipif(requant_native._compiler() is None, reason="needs a C compiler")
+@pytest.mark.skipif(compiler() is None, reason="needs a C compiler")
 def test_the_kernels_two_block_encoders_write_the_same_bytes() -> None:
     """The output bytes of a block come from 16-lane table lookups where the CPU has them, else byte
     by byte: on any input (every code byte, any new-code table, flips on either half) both agree."""

@@ -11,7 +11,7 @@ on load, and by tests).
 ``sha256()`` returns a ``NativeSha256``, or a ``hashlib.sha256()`` when the native one cannot be had
 (no C compiler, no libcrypto, a build error, a failed self-check). ``MXFP4CONV_HASHER`` chooses:
 ``auto`` (default: native when it loads), ``native`` (it must load: failing to is an error),
-``hashlib``. The build is the CPU requant kernel's (``requant_native.build_shared_library``: ``$CC`` /
+``hashlib``. The build is the CPU requant kernel's (``mxfp4conv.cbuild.build_shared_library``: ``$CC`` /
 cc / gcc / clang, the per-user cache ``$MXFP4CONV_CACHE_DIR``, a file named by the hash of the source
 and flags, written to a temporary name and renamed into place).
 """
@@ -170,7 +170,7 @@ def _self_check(native: _Native) -> None:
 
 
 def _load_uncached() -> _Native:
-    from mxfp4conv.kernels.requant_native import build_shared_library  # the same compiler and cache
+    from mxfp4conv.cbuild import build_shared_library  # the same compiler and cache as the requant kernel
 
     if not sys.platform.startswith("linux") and sys.platform != "darwin":
         raise OSError(f"no native hasher on {sys.platform}")

@@ -5,7 +5,7 @@ holds no build, a compiler error); ``requant_rows_cpu`` then runs its torch path
 bytes and statistics (tests compare both). ``MXFP4CONV_CPU_KERNEL`` chooses: ``auto`` (default: the
 compiled kernel when it builds), ``native`` (it must build: failing to is an error), ``torch``.
 
-The build runs the C compiler (``$CC``, else ``cc`` / ``gcc`` / ``clang``) with ``-O2 -funroll-loops
+The build (``mxfp4conv.cbuild``) runs the C compiler (``$CC``, else ``cc`` / ``gcc`` / ``clang``) with ``-O2 -funroll-loops
 -ffp-contract=off`` (no fused multiply-adds: every operation rounds as the contract says; no
 ``-march=native``, so a build in a shared home directory runs on every node; on x86-64 the row function
 is built once per vector level and the CPU's is picked at load time) into a per-user cache
@@ -18,14 +18,12 @@ worker threads run slabs of rows in parallel.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
+
+from mxfp4conv.cbuild import build_shared_library
 
 __all__ = ["CFLAGS", "NativeKernel", "build_error", "kernel_mode", "load"]
 
@@ -65,72 +63,6 @@ def kernel_mode() -> str:
     return mode
 
 
-def _cache_dir() -> Path:
-    env = os.environ.get("MXFP4CONV_CACHE_DIR")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "mxfp4conv"
-
-
-def _compiler() -> str | None:
-    cc = os.environ.get("CC")
-    if cc and shutil.which(cc):
-        return cc
-    for name in ("cc", "gcc", "clang"):
-        if shutil.which(name):
-            return name
-    return None
-
-
-def _build(cc: str, source: Path, cflags: tuple[str, ...], libs: tuple[str, ...], dest: Path) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(prefix=dest.name + ".", suffix=".tmp", dir=dest.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *cflags, str(source), "-o", tmp, *libs],
-                              capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
-        if proc.returncode != 0:
-            raise OSError(f"{cc} failed: {proc.stderr.strip()[-500:]}")
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def build_shared_library(
-    source: Path, stem: str, cflags: tuple[str, ...], libs: tuple[str, ...] = ()
-) -> tuple[ctypes.CDLL, Path]:
-    """Build ``source`` (once per source and flags) into the per-user cache and load it: the file is
-    named ``stem-<hash of source and flags>-<os>-<machine>.so``, written to a temporary name and
-    renamed into place; an unwritable cache builds into a private temporary folder, a damaged cached
-    build is built again once. Raises ``OSError`` (no C compiler, a failed build). Shared by the CPU
-    requant kernel and the shard hasher (mxfp4conv/io/hash_native.py)."""
-    cc = _compiler()
-    key = hashlib.sha256(source.read_bytes() + "\0".join(cflags).encode()).hexdigest()[:16]
-    name = f"{stem}-{key}-{platform.system().lower()}-{platform.machine()}.so"
-    dest = _cache_dir() / name
-    if not dest.exists():
-        if cc is None:
-            raise OSError("no C compiler found (set CC, or install cc / gcc / clang)")
-        try:
-            _build(cc, source, cflags, libs, dest)
-        except OSError:
-            if not os.access(dest.parent, os.W_OK) or not dest.parent.is_dir():
-                # an unwritable cache (read-only home): build into a private temporary folder
-                dest = Path(tempfile.mkdtemp(prefix="mxfp4conv-")) / name
-                _build(cc, source, cflags, libs, dest)
-            else:
-                raise
-    try:
-        lib = ctypes.CDLL(str(dest))
-    except OSError:  # a damaged cached build (e.g. a disk that filled up): build it again, once
-        if cc is None:
-            raise
-        dest.unlink(missing_ok=True)
-        _build(cc, source, cflags, libs, dest)
-        lib = ctypes.CDLL(str(dest))
-    return lib, dest
 
 
 def _load_uncached() -> NativeKernel:

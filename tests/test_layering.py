@@ -1,0 +1,44 @@
+"""The package's imports flow one way (docs/ARCHITECTURE.md): the lower modules never import the
+higher ones, at module level or inside a function. ``cbuild`` (the C build helper) sits below both
+``io/`` and ``kernels/``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "mxfp4conv"
+# module group -> the package groups it may import (besides itself)
+ALLOWED = {
+    "cbuild": set(),
+    "errors": set(),
+    "formats": {"errors"},
+    "io": {"errors", "cbuild"},
+    "kernels": {"errors", "cbuild", "formats", "io"},
+}
+
+
+def group(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def imports(path: Path) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m for m in out if m == "mxfp4conv" or m.startswith("mxfp4conv.")}
+
+
+@pytest.mark.parametrize("low", sorted(ALLOWED))
+def test_lower_modules_import_nothing_above_them(low: str) -> None:
+    files = [PKG / f"{low}.py"] if (PKG / f"{low}.py").exists() else sorted((PKG / low).rglob("*.py"))
+    assert files
+    bad = [f"{f.relative_to(PKG)} imports {m}" for f in files for m in sorted(imports(f))
+           if group(m) != low and group(m) not in ALLOWED[low]]
+    assert not bad, bad
