@@ -6,40 +6,32 @@ NVFP4 weights are dequantized exactly and requantized to MXFP4 with the chosen s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, MoELayer
-
-if TYPE_CHECKING:
-    import torch
-
-    # a weight's rows requantized already: (packed_out, scales_out, row_stats)
-    Done = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 __all__ = ["to_mxfp4"]
 
 
-def _requant(w: FP4Weight, rule: str, device: str, done: Done | None, keep: bool) -> tuple[FP4Weight, dict[str, Any]]:
+def _requant(w: FP4Weight, rule: str, device: str, keep: bool) -> tuple[FP4Weight, dict[str, Any]]:
     from mxfp4conv.formats.mxfp4 import ScaleRule
     from mxfp4conv.requant import requant_nvfp4_to_mxfp4
 
-    out, stats = requant_nvfp4_to_mxfp4(w, ScaleRule(rule), device=device, done=done, keep_on_device=keep)
+    out, stats = requant_nvfp4_to_mxfp4(w, ScaleRule(rule), device=device, keep_on_device=keep)
     return out, stats.to_dict()
 
 
-def to_mxfp4(unit: Canonical, *, rule: str, device: str, done: dict[str, Done] | None = None,
+def to_mxfp4(unit: Canonical, *, rule: str, device: str,
              keep_on_device: bool = False) -> tuple[Canonical, dict[str, dict[str, Any]]]:
     """The unit with every FP4 weight in MXFP4, and {"<key>.w13" | "<key>.w2" | "<module>": stats}.
-    ``done``: results computed already, by weight (``w13``, ``w2``, ``weight``; see ``requant_nvfp4_to_mxfp4``).
     ``keep_on_device``: weights requantized whole on a GPU keep their results there."""
     stats: dict[str, dict[str, Any]] = {}
-    got = done or {}
     keep = keep_on_device
     if isinstance(unit, MoELayer) and unit.w13.quant == "nvfp4":
-        w13, stats[f"{unit.prefix}.w13"] = _requant(unit.w13, rule, device, got.get("w13"), keep)
-        w2, stats[f"{unit.prefix}.w2"] = _requant(unit.w2, rule, device, got.get("w2"), keep)
+        w13, stats[f"{unit.prefix}.w13"] = _requant(unit.w13, rule, device, keep)
+        w2, stats[f"{unit.prefix}.w2"] = _requant(unit.w2, rule, device, keep)
         return MoELayer(unit.prefix, w13, w2, unit.w13_bias, unit.w2_bias), stats
     if isinstance(unit, DenseFP4) and unit.weight.quant == "nvfp4":
-        w, stats[unit.module] = _requant(unit.weight, rule, device, got.get("weight"), keep)
+        w, stats[unit.module] = _requant(unit.weight, rule, device, keep)
         return DenseFP4(unit.module, w, unit.bias), stats
     return unit, stats

@@ -10,8 +10,7 @@ output buffers:
 * a decoded unit: the written tensors are decoded with the target's ``decode`` (its own inverse of
   ``encode``) and compared byte for byte with the canonical unit SRC yields. In a run on a GPU that
   is a second, device-resident requantization of the source bytes the reader holds (the written
-  bytes are compared on the GPU); the head start's unit, requantized on the CPU, is checked so too,
-  from a second read of its source. In a run on the CPU it is the requantization's own result;
+  bytes are compared on the GPU). In a run on the CPU it is the requantization's own result;
   otherwise the canonical unit as read from SRC.
 
 A MoE unit of a split or fused-expert target is decoded and compared a group of experts at a time

@@ -227,6 +227,12 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
     _run(debug, run)
 
 
+def _torch_pending() -> bool:
+    """Whether torch is not imported yet, or still being imported on another thread."""
+    mod = sys.modules.get("torch")
+    return mod is None or bool(getattr(getattr(mod, "__spec__", None), "_initializing", False))
+
+
 @contextlib.contextmanager
 def _collector_settled_at_first_unit(
         progress: Callable[[int, int], None] | None) -> Iterator[Callable[[int, int], None]]:
@@ -238,13 +244,11 @@ def _collector_settled_at_first_unit(
     are freed as usual once unreferenced, only never scanned again. A conversion that never imports
     torch (renames) runs with the collector off: it makes a few dozen cyclic objects, however many
     units it has. The collector is restored as it was when the command returns."""
-    from mxfp4conv.head_start import torch_pending
-
     was = gc.isenabled()
     settled = [False]
 
     def update(done: int, total: int) -> None:
-        if not settled[0] and done >= 0 and not torch_pending():
+        if not settled[0] and done >= 0 and not _torch_pending():
             settled[0] = True
             # one full pass first: torch's import leaves a cycle of frames (torch.fx looks up its
             # caller's) that holds the importing thread's stack, the locals of the function that

@@ -57,7 +57,7 @@ from mxfp4conv.staging import (
     reuse,
     sha256_file,
 )
-from mxfp4conv.units import Head, UnitResult, read_ahead, read_sizes, start_head, unit_results
+from mxfp4conv.units import UnitResult, read_ahead, read_sizes, unit_results
 from mxfp4conv.writers import OutTensor, Target, WriterContext
 from mxfp4conv.writers.base import UnitSpec
 
@@ -86,8 +86,7 @@ class ConvertReport:
     seconds: dict[str, float] = field(default_factory=dict)
     verify: dict[str, Any] | None = None
     requant_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # where NVFP4 -> MXFP4 ran: {"devices": [...], "cpu_kernel": "native" | "torch" | None, and
-    # "head_start": the unit requantized on the CPU while torch was imported, when one was}; None if
+    # where NVFP4 -> MXFP4 ran: {"devices": [...], "cpu_kernel": "native" | "torch" | None}; None if
     # nothing is requantized
     compute: dict[str, Any] | None = None
     # units requantized by this run, per device (several GPUs share a conversion's units)
@@ -236,7 +235,7 @@ def _unit_items(spec: UnitSpec, res: UnitResult, job: Job, ctx: WriterContext, v
 
 def _write_window(todo: list[tuple[_ShardPlan, str, Path]], job: Job, ctx: WriterContext, report: ConvertReport,
                   on_progress: Progress | None, done: list[int], total: int, verifier: InlineVerifier | None,
-                  fin: ShardFinisher, last: list[tuple[ShardStream, int] | None], head: Head | None = None) -> None:
+                  fin: ShardFinisher, last: list[tuple[ShardStream, int] | None]) -> None:
     """Produce a window of shards at once, their units interleaved (``interleave``); each shard is
     handed to ``fin`` (hash, checks and fsync finishing on its threads) once its last unit is queued.
     A unit's outputs may be views of one buffer (the GPU path's requant results), which lives until
@@ -254,14 +253,12 @@ def _write_window(todo: list[tuple[_ShardPlan, str, Path]], job: Job, ctx: Write
                                  fin.budget)
             opened.append(_OpenShard(plan, rel, path, stream))
         specs = [opened[i].plan.units[k] for i, k in order]
-        for (i, _), spec, res in zip(order, specs, unit_results(specs, job, ctx, verifier is not None, head), strict=True):
+        for (i, _), spec, res in zip(order, specs, unit_results(specs, job, ctx, verifier is not None), strict=True):
             sh = opened[i]
             report.requant_stats.update(res.stats)
             sh.stats.update(res.stats)
             if res.device:
                 report.requantized_on[res.device] = report.requantized_on.get(res.device, 0) + 1
-            if res.head_start and report.compute is not None:
-                report.compute["head_start"] = spec.key
             report.seconds["read"] = report.seconds.get("read", 0.0) + res.t_read
             report.seconds["transform"] = report.seconds.get("transform", 0.0) + res.t_transform
             items, nbytes = _unit_items(spec, res, job, ctx, verifier, sh.path)
@@ -320,29 +317,11 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
         _start_device(opts)
     shard_plans = [(folder, rctx, plan_shards(job.target, rctx, job.plan, opts.max_shard_size, folder))
                    for _, folder, rctx in job.rank_contexts()]
-    head = _head_start(job, shard_plans, Path(dst))  # before the device is resolved, which waits for torch
-    try:
-        return _convert(src, Path(dst), job, shard_plans, head, t_start, on_progress)
-    finally:
-        if head is not None:
-            head.cancel()  # a conversion that ended before taking it (an error, a current output)
-
-
-def _head_start(job: Job, shard_plans: list[tuple[str, WriterContext, list[_ShardPlan]]], dst: Path) -> Head | None:
-    """Start the head start (``head_start.py``) on the first NVFP4 unit the conversion produces (the
-    first window's interleaved order), unless the run writes only some shards or may write none."""
-    opts = job.opts
-    if opts.dry_run or opts.partition is not None or opts.resume or opts.finish or not shard_plans[0][2] \
-            or (opts.skip_if_current and (dst / MANIFEST).exists()):
-        return None
-    _, rctx, shards = shard_plans[0]
-    group = windows(len(shards), SHARD_WINDOW)[0]
-    sizes = [[sum(t.nbytes for t in job.target.out_specs(u, rctx)) for u in shards[g].units] for g in group]
-    return start_head(job, [shards[group[i]].units[k] for i, k in interleave(sizes)])
+    return _convert(src, Path(dst), job, shard_plans, t_start, on_progress)
 
 
 def _convert(src: str | Path, dst: Path, job: Job, shard_plans: list[tuple[str, WriterContext, list[_ShardPlan]]],
-             head: Head | None, t_start: float, on_progress: Progress | None) -> ConvertReport:
+             t_start: float, on_progress: Progress | None) -> ConvertReport:
     """``convert`` once SRC is planned: options resolved, then skip / dry run / write, prove, publish."""
     opts, ctx, plan, target = job.opts, job.ctx, job.plan, job.target
     opts = dataclasses.replace(opts, device=resolve_device(opts.device, needs_device(ctx)))
@@ -376,8 +355,7 @@ def _convert(src: str | Path, dst: Path, job: Job, shard_plans: list[tuple[str, 
     keep_staging = opts.resume or opts.partition is not None or opts.finish
     verifier = InlineVerifier(target, str(src), str(dst)) if opts.verify else None
     try:
-        outputs, reused = _write_all(job, shard_plans, staging, report, on_progress, (finished, fingerprint), verifier,
-                                     head)
+        outputs, reused = _write_all(job, shard_plans, staging, report, on_progress, (finished, fingerprint), verifier)
         if opts.partition is not None:
             report.status = "partial"
             report.seconds["total"] = time.perf_counter() - t_start
@@ -472,7 +450,7 @@ def _fill_plan_report(report: ConvertReport, plan: Plan, target: Target, ctx: Wr
 def _write_all(job: Job, shard_plans: list[tuple[str, WriterContext, list[_ShardPlan]]], staging: Path,
                report: ConvertReport, on_progress: Progress | None,
                resume: tuple[dict[str, dict[str, Any]], dict[str, Any]],
-               verifier: InlineVerifier | None, head: Head | None = None) -> tuple[dict[str, str], bool]:
+               verifier: InlineVerifier | None) -> tuple[dict[str, str], bool]:
     """Write every shard (or this partition's) into ``staging``: (sha256 per output file, whether a
     finished shard of an earlier run was reused)."""
     finished, fingerprint = resume
@@ -516,8 +494,7 @@ def _write_all(job: Job, shard_plans: list[tuple[str, WriterContext, list[_Shard
                                      hint="rerun the --partition i/n conversion that owns it (shard index mod n)")
                 todo.append((shard, rel, path))
             for group in windows(len(todo), SHARD_WINDOW):
-                _write_window([todo[g] for g in group], job, rctx, report, on_progress, done, total, verifier, fin, last,
-                              head)
+                _write_window([todo[g] for g in group], job, rctx, report, on_progress, done, total, verifier, fin, last)
                 fin.settle(len(group))  # the previous window's shards, whose hash and fsync overlapped this one
             fin.settle()
             if opts.partition is not None:

@@ -554,7 +554,6 @@ def requant_nvfp4_to_mxfp4(
     rule: ScaleRule = ScaleRule.MSE,
     device: str = "cpu",
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
-    done: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     keep_on_device: bool = False,
 ) -> tuple[FP4Weight, RequantStats]:
     """Requantize an NVFP4 weight ``[..., N, K]`` to MXFP4, ``chunk_rows`` rows at a time.
@@ -564,9 +563,7 @@ def requant_nvfp4_to_mxfp4(
     may already be on the device), else ``mxfp4conv.kernels.requant_triton.requant_nvfp4_gpu_chunks``
     (chunks of at least ``GPU_MIN_CHUNK_ROWS`` rows stream through the device; results in pinned host memory). Raises ``ValueError`` on invalid input. Returns the MXFP4 weight
     (uint8 packed ``[..., N, K/2]``, E8M0 scales ``[..., N, K/32]``, on the CPU) and the statistics.
-    ``done``: the rows' results computed already by the compiled kernel (``packed_out [R, K/2]``,
-    ``scales_out [R, K/32]``, ``row_stats [R, 5]``: the head start, ``mxfp4conv/head_start.py``), taken
-    once the input is validated, their statistics folded as the chunks' are. ``keep_on_device``: a
+    ``keep_on_device``: a
     weight requantized whole on a GPU returns its results there (the same bytes, not copied back).
     """
     if w.quant != "nvfp4" or w.global_rows is None:
@@ -578,7 +575,7 @@ def requant_nvfp4_to_mxfp4(
     k = 2 * kh
     if k % MX_BLOCK:
         raise ValueError(f"K={k} is not a multiple of {MX_BLOCK}")
-    if device.startswith("cuda") and done is None:
+    if device.startswith("cuda"):
         if w.packed.numel() and fits_on_device(w.packed.numel() + w.scales.numel(), device):
             return _requant_resident(w, rule, device, keep_on_device)
         from mxfp4conv.kernels.requant_triton import requant_nvfp4_gpu_chunks
@@ -604,13 +601,6 @@ def requant_nvfp4_to_mxfp4(
     grows = w.global_rows.reshape(-1).float()
     r = packed.shape[0]
     stats = RequantStats()
-    if done is not None:
-        out, scales_out, rows = done
-        if (tuple(out.shape), tuple(scales_out.shape), tuple(rows.shape)) != ((r, kh), (r, k // MX_BLOCK), (r, 5)):
-            raise ValueError("done: results of other shapes than the weight's rows")
-        for r0 in range(0, r, chunk_rows):
-            stats.add_rows(rows[r0:r0 + chunk_rows], k // MX_BLOCK)
-        return FP4Weight("mxfp4", out.view(*lead, kh), scales_out.view(*lead, k // MX_BLOCK)), stats
     out = torch.empty(r, kh, dtype=torch.uint8)
     scales_out = torch.empty(r, k // MX_BLOCK, dtype=torch.uint8)
     n_threads = int(os.environ.get("MXFP4CONV_CPU_THREADS", "0")) or torch.get_num_threads()

@@ -2,14 +2,12 @@
 
 One device: units ahead are read on a helper thread while the current one is transformed
 (``read_ahead``: at most about two of the largest units in memory). Several devices: one unit per
-device in flight, each read and transformed on its device's thread. In a fresh process the first NVFP4
-unit is read and requantized without torch while torch is imported (``head_start.py``). Each result also carries what
+device in flight, each read and transformed on its device's thread. Each result also carries what
 the post-write check compares the unit's written bytes with (``UnitResult.want``, see ``check.py``).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -17,11 +15,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from mxfp4conv import head_start
 from mxfp4conv.canonical import Canonical, FP4Weight
 from mxfp4conv.canonicalize import to_mxfp4
-from mxfp4conv.errors import InputError, UsageError
-from mxfp4conv.head_start import HeadStart
+from mxfp4conv.errors import InputError
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.io.safetensors_io import FileSlice
 from mxfp4conv.job import Job, devices, direct_slices, needs_device
@@ -40,7 +36,6 @@ class UnitResult:
     # the canonical unit SRC yields, for the post-write check (None for a rename, or without checking)
     want: Canonical | None = None
     device: str = ""  # where the unit was requantized ("" when it was not)
-    head_start: bool = False  # made while torch was imported (``head_start.py``)
 
 
 def _read(spec: UnitSpec, job: Job, ctx: WriterContext, device: str = "cpu") -> tuple[Any, float]:
@@ -85,14 +80,14 @@ def _transform(spec: UnitSpec, job: Job, ctx: WriterContext, device: str, check:
 
 
 def _transform_on(unit: Any, spec: UnitSpec, job: Job, ctx: WriterContext, device: str, t_read: float,
-                  check: bool, done: dict[str, Any] | None = None, t_done: float = 0.0) -> UnitResult:
-    t1 = time.perf_counter() - t_done
+                  check: bool) -> UnitResult:
+    t1 = time.perf_counter()
     opts, ckpt = job.opts, job.ckpt
     stats: dict[str, Any] = {}
     source = unit
     if not ctx.target_options.keep_nvfp4:
         try:
-            unit, stats = to_mxfp4(unit, rule=opts.scale_rule, device=device, done=done,
+            unit, stats = to_mxfp4(unit, rule=opts.scale_rule, device=device,
                                    keep_on_device=device.startswith("cuda") and job.target.ENCODES_ON_DEVICE)
         except ValueError as exc:  # invalid NVFP4 scales: name the unit and the first source file
             ref = ckpt.tensors[spec.sources[0]]
@@ -106,83 +101,6 @@ def _transform_on(unit: Any, spec: UnitSpec, job: Job, ctx: WriterContext, devic
         want = requant_on_device(source, opts.scale_rule, device) if stats and device.startswith("cuda") else unit
     outs = job.target.encode(unit, spec, ctx)
     return UnitResult(outs, stats, t_read, time.perf_counter() - t1, want, device if stats else "")
-
-
-@dataclass
-class Head:
-    """A head start in flight (``start_head``): the unit it makes and its result to come, None once the
-    conversion has taken it (a unit written for several ranks is taken once, then made as usual)."""
-
-    spec: UnitSpec
-    future: Future[HeadStart | None] | None
-    stop: threading.Event
-
-    def owns(self, spec: UnitSpec) -> bool:
-        return self.future is not None and spec == self.spec
-
-    def take(self, spec: UnitSpec, job: Job, ctx: WriterContext, device: str, check: bool) -> UnitResult:
-        """The unit's result: the head start's, or, when it could not make the unit, made as usual.
-        The head start's buffers are let go here: the source's once validated, the results' once written."""
-        future, self.future = self.future, None
-        assert future is not None
-        hs = future.result()
-        del future
-        if hs is None:
-            return _transform(spec, job, ctx, device, check)
-        return _adopt(hs, spec, job, ctx, check, device)
-
-    def cancel(self) -> None:
-        """Stop making the unit (between kernel calls) when the conversion ends without taking it."""
-        self.stop.set()
-
-
-def start_head(job: Job, order: list[UnitSpec]) -> Head | None:
-    """Start making the first unit of ``order`` the head start can make, on a thread of its own, when
-    ``head_start.wanted()`` (torch not imported yet) and the conversion requantizes; else None."""
-    try:
-        want = head_start.wanted()
-    except ValueError as exc:
-        raise UsageError(str(exc), hint=f"unset {head_start.ENV}") from exc
-    if not want or not needs_device(job.ctx):
-        return None
-    direct = [direct_slices(spec, job.ckpt, job.target, job.ctx) for spec in order]
-    first = head_start.first_unit(order, direct, job.layout)
-    if first is None:
-        return None
-    i, roles = first
-    stop = threading.Event()
-    starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4conv-head")
-    future = starter.submit(head_start.make, order[i], job.ckpt, roles, job.opts.scale_rule, stop=stop)
-    starter.shutdown(wait=False)  # its one thread ends with the unit
-    return Head(order[i], future, stop)
-
-
-def _adopt(hs: HeadStart, spec: UnitSpec, job: Job, ctx: WriterContext, check: bool, device: str = "cpu") -> UnitResult:
-    """The head-start unit's result: its stacks read as the layout reads them (validated as any unit's),
-    its rows' results taken as requantized (on the CPU), its statistics folded (``head_start``).
-    In a run on a GPU (``device``) the check compares its written bytes, as any unit's there, with a
-    second requantization of SRC on the device, from a fresh read (the head start let the codes go):
-    its host results are then let go once written, not held until the check has run."""
-    import torch
-
-    from mxfp4conv.layouts.split import RawBytes, read_split_unit
-
-    def view(buf: RawBytes, dtype: torch.dtype, *shape: int) -> torch.Tensor:
-        return torch.frombuffer(buf, dtype=dtype).view(shape) if len(buf) else torch.empty(shape, dtype=dtype)
-
-    t0 = time.perf_counter()
-    unit = read_split_unit(job.ckpt, spec, job.layout.nvfp4_roles(spec), raw=hs.stacks())
-    done = {k: (view(w.out, torch.uint8, w.rows, w.shape[2]), view(w.scales_out, torch.uint8, w.rows, w.shape[2] // 16),
-                view(w.row_stats, torch.float64, w.rows, 5)) for k, w in hs.weights.items()}
-    t_read = hs.t_read + time.perf_counter() - t0
-    on_gpu = device.startswith("cuda")
-    res = _transform_on(unit, spec, job, ctx, "cpu", t_read, check and not on_gpu, done, hs.t_transform)
-    res.head_start = True
-    if check and on_gpu:
-        with torch.cuda.device(torch.device(device)):
-            source = job.layout.read(job.ckpt, spec, device=read_onto(spec, job.ckpt, device))
-            res.want = requant_on_device(source, job.opts.scale_rule, device)
-    return res
 
 
 def requant_on_device(unit: Canonical, rule: str, device: str) -> Canonical:
@@ -235,39 +153,28 @@ def read_ahead(sizes: list[int], limit: int) -> list[int]:
     return upto
 
 
-def unit_results(units: list[UnitSpec], job: Job, ctx: WriterContext, check: bool,
-                 head: Head | None = None) -> Iterator[UnitResult]:
-    """The units' results in order (see the module docstring); ``head``'s unit, the first time it comes,
-    is taken from the head start."""
+def unit_results(units: list[UnitSpec], job: Job, ctx: WriterContext, check: bool) -> Iterator[UnitResult]:
+    """The units' results in order (see the module docstring)."""
     devs = devices(job.opts)
     if len(devs) == 1:
         direct = [direct_slices(spec, job.ckpt, job.target, ctx) for spec in units]
         sizes = read_sizes(units, direct, job.ckpt)
         upto = read_ahead(sizes, max(sizes, default=0))
-        mine = [head is not None and head.owns(spec) for spec in units]
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4conv-read") as reader:
             ahead: dict[int, Future[tuple[Any, float]]] = {}
             nxt = 0
             for i, spec in enumerate(units):
                 while nxt < upto[i]:
-                    if direct[nxt] is None and not mine[nxt]:
+                    if direct[nxt] is None:
                         ahead[nxt] = reader.submit(_read, units[nxt], job, ctx, devs[0])
                     nxt += 1
-                if mine[i]:
-                    assert head is not None
-                    yield head.take(spec, job, ctx, devs[0], check)
-                    continue
                 source = ahead.pop(i).result() if direct[i] is None else (direct[i], 0.0)
                 yield _transform(spec, job, ctx, devs[0], check, source)
         return
     with ThreadPoolExecutor(max_workers=len(devs), thread_name_prefix="mxfp4conv-unit") as pool:
         window: deque[Future[UnitResult]] = deque()
         for i, spec in enumerate(units):
-            dev = devs[i % len(devs)]
-            if head is not None and head.owns(spec):
-                window.append(pool.submit(head.take, spec, job, ctx, dev, check))
-            else:
-                window.append(pool.submit(_transform, spec, job, ctx, dev, check))
+            window.append(pool.submit(_transform, spec, job, ctx, devs[i % len(devs)], check))
             if len(window) >= len(devs):
                 yield window.popleft().result()
         while window:

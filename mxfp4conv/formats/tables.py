@@ -1,5 +1,5 @@
-"""Value tables of the FP8 scale formats, in plain Python: what torch-free code paths (the head start of
-``mxfp4conv/head_start.py``) share with ``formats/fp4.py``."""
+"""Value tables of the FP8 scale formats, in plain Python (no torch): ``formats/fp4.py`` builds its
+tensors from them."""
 
 from __future__ import annotations
 

@@ -121,8 +121,3 @@ def read(ckpt: Checkpoint, spec: UnitSpec, *, device: str | None = None) -> Cano
     roles = DEEPSEEK_V4_MXFP4 if spec.extra.get("roles") == "1" else ROLES  # V4's MXFP4 MTP experts
     return read_split_unit(ckpt, spec, roles, device=device)
 
-
-def nvfp4_roles(spec: UnitSpec) -> LinearRoles | None:
-    """The roles ``read`` reads the unit's NVFP4 weights by (the head start reads them alike); None
-    for DeepSeek-V4's MXFP4 MTP experts."""
-    return None if spec.extra.get("roles") == "1" else ROLES

@@ -39,7 +39,3 @@ def plan(ckpt: Checkpoint) -> Plan:
 def read(ckpt: Checkpoint, spec: UnitSpec, *, device: str | None = None) -> Canonical:
     return read_split_unit(ckpt, spec, ROLES, device=device)
 
-
-def nvfp4_roles(spec: UnitSpec) -> LinearRoles:
-    """The roles ``read`` reads the unit's NVFP4 weights by (the head start reads them alike)."""
-    return ROLES

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,11 +22,7 @@ from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.io.safetensors_io import TensorRef, read_many, tensor_view
 from mxfp4conv.layouts.base import EXPERT_RE, Plan, Problem, natural_key
 
-__all__ = ["DEEPSEEK_V4_MXFP4", "LinearRoles", "RawBytes", "plan_split_layout", "read_split_unit"]
-
-# A stack read into plain memory before torch is there (the head start): a bytearray, or an anonymous
-# mapping (its pages are zeroed as they are first written, by the threads writing them).
-RawBytes = bytearray | mmap.mmap
+__all__ = ["DEEPSEEK_V4_MXFP4", "LinearRoles", "plan_split_layout", "read_split_unit"]
 
 _GATE_UP_DOWN = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
@@ -256,15 +251,12 @@ def weight_refs(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles) -
 
 
 def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, device: str | None = None,
-            raw: tuple[RawBytes | None, RawBytes] | None = None,
             reads: list[tuple[TensorRef, memoryview]] | None = None) -> FP4Weight:
     """The FP4 tensors of ``groups`` of modules: module e of every group stacked as ``[E, ...]`` and
     the groups concatenated along the rows (gate then up: w13). Bytes are read straight into the
     result (no per-module tensors, no stack or cat copies); block scales are checked once, on the
     whole result, and a NaN is then traced back to its source tensor. ``device``: a CUDA device that
     NVFP4 stacks are read onto (they are requantized there; the global scales stay on the host).
-    ``raw``: the packed and scale stacks' bytes, read already (the head start); packed None: codes its
-    kernel has requantized and let go, a meta tensor of their shape (no data to read by mistake).
     ``reads``: host reads are queued there instead of made, and the scales are checked by the caller
     once they are (``_checked_scales``), so that a unit's weights are read in one call."""
     import torch
@@ -272,11 +264,8 @@ def _weight(ckpt: Checkpoint, groups: list[list[str]], roles: LinearRoles, devic
     t = ckpt.tensors
     prefs, srefs, num, rows = weight_refs(ckpt, groups, roles)
     onto = device if roles.quant == "nvfp4" else None
-    if raw is not None and raw[0] is None:
-        packed = torch.empty(stack_plan(ckpt, prefs, num, rows)[0], dtype=torch.uint8, device="meta")
-    else:
-        packed = _stack_into(ckpt, prefs, num, rows, onto, None if raw is None else raw[0], reads)
-    scales = _stack_into(ckpt, srefs, num, rows, onto, None if raw is None else raw[1], reads)
+    packed = _stack_into(ckpt, prefs, num, rows, onto, reads)
+    scales = _stack_into(ckpt, srefs, num, rows, onto, reads)
     if reads is None:
         scales = _checked_scales(ckpt, srefs, roles, scales)
     global_rows = None
@@ -308,8 +297,7 @@ def stack_plan(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[int
     """Where each of ``refs`` (2-D one-byte tensors, group-major) goes in a uint8 ``[num, sum(rows),
     cols]`` stack: group j's module e fills rows ``sum(rows[:j]) .. + rows[j]`` of slot e. Returns the
     stack's shape and each tensor's byte offset in it; a tensor whose shape differs from its
-    partners' is an ``InputError``. No torch: the head start (``mxfp4conv/head_start.py``) reads
-    stacks before torch is imported."""
+    partners' is an ``InputError``."""
     first = refs[0]
     cols = first.shape[1]
     total = sum(rows)
@@ -328,18 +316,13 @@ def stack_plan(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[int
 
 
 def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[int], device: str | None,
-                raw: RawBytes | None = None, reads: list[tuple[TensorRef, memoryview]] | None = None) -> torch.Tensor:
+                reads: list[tuple[TensorRef, memoryview]] | None = None) -> torch.Tensor:
     """uint8 ``[num, sum(rows), cols]`` from 2-D one-byte tensors (``stack_plan``). On ``device``
-    (CUDA) when given, read there through small pinned buffers (``io/device_read``); ``raw``: the
-    stack's bytes, read already (the head start), used in place; ``reads``: a host stack's reads
-    are queued there, not made."""
+    (CUDA) when given, read there through small pinned buffers (``io/device_read``); ``reads``: a
+    host stack's reads are queued there, not made."""
     import torch
 
     shape, at = stack_plan(ckpt, refs, num, rows)
-    if raw is not None:  # in host memory: a head-start unit is requantized on the CPU
-        if len(raw) != shape[0] * shape[1] * shape[2] or device is not None:
-            raise ValueError(f"{refs[0].name}: a read stack of {len(raw)} bytes on the host, need {shape}")
-        return torch.frombuffer(raw, dtype=torch.uint8).view(shape) if len(raw) else torch.empty(shape, dtype=torch.uint8)
     out = torch.empty(shape, dtype=torch.uint8, device=device)
     if device is not None:
         from mxfp4conv.io.device_read import read_to_device
@@ -379,28 +362,25 @@ def _checked_global(ckpt: Checkpoint, ref: TensorRef) -> torch.Tensor:
     return g
 
 
-def read_split_unit(ckpt: Checkpoint, spec: UnitSpec, roles: LinearRoles, *, device: str | None = None,
-                    raw: dict[str, tuple[RawBytes | None, RawBytes]] | None = None) -> Canonical:
-    """One unit's tensors in canonical form; ``device``: the CUDA device its NVFP4 stacks are read onto;
-    ``raw``: its weights' packed and scale stacks read already, by ``unit_groups`` name (the head start)."""
+def read_split_unit(ckpt: Checkpoint, spec: UnitSpec, roles: LinearRoles, *, device: str | None = None) -> Canonical:
+    """One unit's tensors in canonical form; ``device``: the CUDA device its NVFP4 stacks are read onto."""
     import torch
 
     t = ckpt.tensors
     if spec.kind == "passthrough":
         return Passthrough(spec.key, t[spec.key].load())
     groups = unit_groups(spec)
-    got = raw or {}
     if spec.kind == "dense":
-        w = _weight(ckpt, groups["weight"], roles, device, got.get("weight"))
+        w = _weight(ckpt, groups["weight"], roles, device)
         one = FP4Weight(w.quant, w.packed[0], w.scales[0], None if w.global_rows is None else w.global_rows[0],
                         w.global_is_divisor)
         bias = t[f"{spec.key}.bias"].load() if spec.has_bias else None
         return DenseFP4(spec.key, one, bias)
     # host stacks are read in one call: the unit's tensors follow each other in its shard, and
     # ranges next to each other are read together (``safetensors_io.runs``)
-    reads: list[tuple[TensorRef, memoryview]] | None = [] if device is None and raw is None else None
-    w13 = _weight(ckpt, groups["w13"], roles, device, got.get("w13"), reads)  # gate rows, then up rows
-    down = _weight(ckpt, groups["w2"], roles, device, got.get("w2"), reads)
+    reads: list[tuple[TensorRef, memoryview]] | None = [] if device is None else None
+    w13 = _weight(ckpt, groups["w13"], roles, device, reads)  # gate rows, then up rows
+    down = _weight(ckpt, groups["w2"], roles, device, reads)
     if reads is not None:
         read_many(reads)
         del reads
