@@ -49,7 +49,9 @@ __all__ = [  # and DTYPES, built lazily by the module __getattr__
     "InflightBudget",
     "ShardStream",
     "TensorRef",
+    "header_length",
     "load_json",
+    "parse_header",
     "read_full",
     "read_header",
     "read_many",
@@ -402,20 +404,45 @@ def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
             raise InputError("not a regular file", file=fname, hint="replace it with the real shard file")
         size = st.st_size
         with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise InputError(f"file is {size} bytes, too short for a safetensors header",
-                                 file=fname, hint="the shard is truncated; download it again")
-            n = int.from_bytes(head, "little")
-            if n > MAX_HEADER_BYTES:
-                raise InputError(f"header length {n} is over the {MAX_HEADER_BYTES} byte limit",
-                                 file=fname, hint="the file is corrupt or not a safetensors file")
-            if 8 + n > size:
-                raise InputError(f"header length {n} is larger than the file ({size} bytes)",
-                                 file=fname, hint="the shard is truncated or corrupt; download it again")
+            n = header_length(fh.read(8), size, fname)
             raw = fh.read(n)
     except OSError as exc:
         raise InputError(f"cannot read shard: {exc.strerror}", file=fname) from exc
+    return _decode_header(raw, 8 + n, size, path)
+
+
+def header_length(head: bytes, size: int, fname: str) -> int:
+    """The header length a shard's first 8 bytes give, checked against the limit and the file's
+    ``size``: the JSON header is the ``n`` bytes after those 8."""
+    if len(head) < 8:
+        raise InputError(f"file is {size} bytes, too short for a safetensors header",
+                         file=fname, hint="the shard is truncated; download it again")
+    n = int.from_bytes(head[:8], "little")
+    if n > MAX_HEADER_BYTES:
+        raise InputError(f"header length {n} is over the {MAX_HEADER_BYTES} byte limit",
+                         file=fname, hint="the file is corrupt or not a safetensors file")
+    if 8 + n > size:
+        raise InputError(f"header length {n} is larger than the file ({size} bytes)",
+                         file=fname, hint="the shard is truncated or corrupt; download it again")
+    return n
+
+
+def parse_header(data: bytes, size: int, path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
+    """:func:`read_header` from bytes: ``data`` holds the shard's first bytes (at least the 8-byte
+    length and the header, perhaps more), ``size`` is the whole file's size, ``path`` names the file
+    in the refs and in errors (a remote file's name, say)."""
+    fname = str(path)
+    n = header_length(data[:8], size, fname)
+    if len(data) < 8 + n:
+        raise InputError(f"{len(data)} bytes given for a header that ends at byte {8 + n}", file=fname,
+                         hint="the shard is truncated; download it again")
+    return _decode_header(data[8:8 + n], 8 + n, size, path)
+
+
+def _decode_header(raw: bytes, data_start: int, size: int,
+                   path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
+    """The JSON header ``raw`` of a file of ``size`` bytes whose data area starts at ``data_start``."""
+    fname = str(path)
     try:
         header = json.loads(raw, object_pairs_hook=_no_duplicates)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
@@ -423,7 +450,6 @@ def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
                          hint="the shard is corrupt; download it again") from exc
     if not isinstance(header, dict):
         raise InputError("header is not a JSON object", file=fname, hint="the shard is corrupt")
-    data_start = 8 + n
     data_len = size - data_start
     meta_raw = header.pop("__metadata__", None)
     if meta_raw is None:
