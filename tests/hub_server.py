@@ -1,0 +1,415 @@
+"""A Hugging Face Hub on loopback: a real HTTP server (stdlib ``ThreadingHTTPServer``) serving repos
+from local folders, with the requests huggingface_hub makes and the answers it expects.
+
+- ``GET /api/models/{id}[/revision/{rev}]``: id, sha, siblings (sizes, blob ids, LFS with ``blobs=true``)
+- ``GET /api/models/{id}/tree/{rev}[/{path}]`` (``recursive``, ``expand``) and ``POST
+  /api/models/{id}/paths-info/{rev}`` (form ``paths``): type, path, size, oid, lfs{oid, size, pointerSize}
+- ``HEAD/GET /{id}/resolve/{rev}/{file}``: X-Repo-Commit, ETag / X-Linked-Etag, X-Linked-Size; an LFS
+  file answers 302 to ``http://localhost:{port}/cdn/{sha256}?token=...``, a second loopback host name
+  (huggingface_hub follows a redirect to the same host and stops at another one, as with the Hub's
+  CDN, and sends no token there), whose token the server can expire (403 afterwards); Range requests
+  answer 206 + Content-Range, a range starting past the end 416; a missing repo, revision or file 404
+  with ``X-Error-Code`` RepoNotFound / RevisionNotFound / EntryNotFound.
+
+Faults are injected per test with :meth:`HubServer.fault` (429 with RateLimit headers, 503, a short
+206 body, a connection dropped mid-body, one corrupted byte, an expired link, any callback such as a
+branch that moves), each on the requests a predicate picks, ``times`` times. :attr:`HubServer.log`
+records every request with the body bytes sent, so a test can count what a client fetched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+__all__ = ["Blob", "Fault", "HubServer", "Request", "hub"]
+
+LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".model", ".gguf")
+_API = re.compile(r"^/api/models/([^/]+/[^/]+)(?:/(revision|tree|paths-info)/([^/]+)(/.*)?)?$")
+_RESOLVE = re.compile(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
+_CDN = re.compile(r"^/cdn/([0-9a-f]{64})$")
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_SHA = re.compile(r"^[0-9a-f]{40}$")
+
+
+@dataclass(frozen=True)
+class Blob:
+    data: bytes
+    lfs: bool
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+    @property
+    def git_oid(self) -> str:
+        """The git blob id of the file (an LFS file's blob is its pointer file, as on the Hub)."""
+        body = self.pointer if self.lfs else self.data
+        return hashlib.sha1(b"blob %d\x00" % len(body) + body).hexdigest()
+
+    @property
+    def pointer(self) -> bytes:
+        return (f"version https://git-lfs.github.com/spec/v1\noid sha256:{self.sha256}\n"
+                f"size {len(self.data)}\n").encode()
+
+    def entry(self, path: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": "file", "path": path, "size": len(self.data), "oid": self.git_oid}
+        if self.lfs:
+            out["lfs"] = {"oid": self.sha256, "size": len(self.data), "pointerSize": len(self.pointer)}
+        return out
+
+
+@dataclass
+class Request:
+    """One request as the server saw it: ``sent`` counts the body bytes written (headers excluded)."""
+
+    method: str
+    path: str
+    host: str  # "hub" or "cdn"
+    range: str | None
+    status: int = 0
+    sent: int = 0
+
+
+@dataclass
+class Fault:
+    """``kind`` on the next ``times`` requests ``match`` accepts (``match(request)``, after the
+    request line and headers are read)."""
+
+    kind: str  # "429", "503", "short", "drop", "corrupt", "expire", "call"
+    match: Callable[[Request], bool]
+    times: int = 1
+    call: Callable[[], None] | None = None
+    hits: int = 0
+
+
+@dataclass
+class _Repo:
+    commits: dict[str, dict[str, Blob]] = field(default_factory=dict)
+    refs: dict[str, str] = field(default_factory=dict)
+
+
+class HubServer:
+    """The server. ``url`` is what ``HF_ENDPOINT`` takes; start with :func:`hub` or :meth:`start`."""
+
+    def __init__(self) -> None:
+        self.repos: dict[str, _Repo] = {}
+        self.blobs: dict[str, Blob] = {}
+        self.log: list[Request] = []
+        self.faults: list[Fault] = []
+        self.tokens: dict[str, str] = {}  # live CDN token -> sha256
+        self._lock = threading.Lock()
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- repos
+    def add_repo(self, repo_id: str, folder: Path, *, branch: str = "main") -> str:
+        """Serve ``folder``'s files (recursively) as a new commit of ``repo_id`` on ``branch``; its sha."""
+        files: dict[str, Blob] = {}
+        for p in sorted(folder.rglob("*")):
+            if p.is_file():
+                rel = p.relative_to(folder).as_posix()
+                data = p.read_bytes()
+                files[rel] = Blob(data, rel.endswith(LFS_SUFFIXES) or len(data) >= 10 << 20)
+        return self.add_commit(repo_id, files, branch=branch)
+
+    def add_commit(self, repo_id: str, files: dict[str, Blob], *, branch: str = "main") -> str:
+        with self._lock:
+            repo = self.repos.setdefault(repo_id, _Repo())
+            parent = repo.refs.get(branch, "")
+            digest = hashlib.sha1(parent.encode() + json.dumps(
+                {k: v.git_oid for k, v in sorted(files.items())}).encode() + repo_id.encode())
+            sha = digest.hexdigest()
+            repo.commits[sha] = dict(files)
+            repo.refs[branch] = sha
+            for b in files.values():
+                self.blobs[b.sha256] = b
+            return sha
+
+    def files(self, repo_id: str, rev: str = "main") -> dict[str, Blob]:
+        repo = self.repos[repo_id]
+        return repo.commits[repo.refs.get(rev, rev)]
+
+    # -- faults and the log
+    def fault(self, kind: str, match: Callable[[Request], bool] | None = None, *, times: int = 1,
+              call: Callable[[], None] | None = None) -> Fault:
+        f = Fault(kind, match or (lambda r: True), times, call)
+        with self._lock:
+            self.faults.append(f)
+        return f
+
+    def expire_links(self) -> None:
+        """Every CDN link handed out so far stops working (403), as a presigned URL past its expiry."""
+        with self._lock:
+            self.tokens.clear()
+
+    def sent(self, match: Callable[[Request], bool] | None = None) -> int:
+        with self._lock:
+            return sum(r.sent for r in self.log if match is None or match(r))
+
+    def requests(self, match: Callable[[Request], bool] | None = None) -> list[Request]:
+        with self._lock:
+            return [r for r in self.log if match is None or match(r)]
+
+    def clear_log(self) -> None:
+        with self._lock:
+            self.log.clear()
+
+    def _take_fault(self, req: Request) -> Fault | None:
+        with self._lock:
+            for f in self.faults:
+                if f.hits < f.times and f.match(req):
+                    f.hits += 1
+                    return f
+        return None
+
+    # -- lifecycle
+    @property
+    def port(self) -> int:
+        assert self._httpd is not None, "not started"
+        return self._httpd.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def cdn_url(self) -> str:
+        return f"http://localhost:{self.port}"
+
+    def start(self) -> HubServer:
+        handler = type("Handler", (_Handler,), {"hub": self})
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="hub-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+
+@contextmanager
+def hub() -> Iterator[HubServer]:
+    server = HubServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    hub: HubServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self._serve()
+
+    def do_HEAD(self) -> None:
+        self._serve()
+
+    def do_POST(self) -> None:
+        self._serve()
+
+    # -- plumbing
+    def _serve(self) -> None:
+        split = urlsplit(self.path)
+        host = (self.headers.get("Host") or "").split(":")[0]
+        req = Request(self.command, split.path, "cdn" if host == "localhost" else "hub", self.headers.get("Range"))
+        with self.hub._lock:
+            self.hub.log.append(req)
+        self._req = req
+        body = b""
+        if self.command == "POST":
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        fault = self.hub._take_fault(req)
+        if fault is not None and fault.kind == "call":
+            assert fault.call is not None
+            fault.call()
+            fault = None
+        if fault is not None and fault.kind == "429":
+            return self._send(429, b'{"error":"rate limited"}', {
+                "RateLimit": '"resolvers";r=0;t=0', "RateLimit-Policy": '"fixed window";"resolvers";q=3000;w=300'})
+        if fault is not None and fault.kind == "503":
+            return self._send(503, b'{"error":"unavailable"}')
+        if fault is not None and fault.kind == "expire":
+            self.hub.expire_links()
+            fault = None
+        self._fault = fault
+        try:
+            query = parse_qs(split.query)
+            if (m := _CDN.match(split.path)) and req.host == "cdn":
+                return self._cdn(m.group(1), query)
+            if m := _API.match(split.path):
+                form = parse_qs(body.decode()) if body else {}
+                return self._api(unquote(m.group(1)), m.group(2), unquote(m.group(3) or ""),
+                                 unquote(m.group(4) or "").lstrip("/"), query, form)
+            if m := _RESOLVE.match(split.path):
+                return self._resolve(unquote(m.group(1)), unquote(m.group(2)), unquote(m.group(3)))
+            return self._send(404, b"not found")
+        except (BrokenPipeError, ConnectionResetError):
+            return None
+
+    def _send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None, *,
+              content_type: str = "application/json") -> None:
+        self._req.status = status
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD" and body:
+            self.wfile.write(body)
+            self._req.sent += len(body)
+
+    def _json(self, doc: Any, headers: dict[str, str] | None = None) -> None:
+        self._send(200, json.dumps(doc).encode(), headers)
+
+    def _error(self, code: str, headers: dict[str, str] | None = None) -> None:
+        self._send(404, json.dumps({"error": code}).encode(),
+                   {"X-Error-Code": code, "X-Error-Message": code, **(headers or {})})
+
+    def _commit(self, repo_id: str, rev: str) -> tuple[str, dict[str, Blob]] | None:
+        repo = self.hub.repos.get(repo_id)
+        if repo is None:
+            self._error("RepoNotFound")
+            return None
+        sha = repo.refs.get(rev) or (rev if _SHA.match(rev) and rev in repo.commits else None)
+        if sha is None:
+            self._error("RevisionNotFound")
+            return None
+        return sha, repo.commits[sha]
+
+    # -- /api
+    def _api(self, repo_id: str, kind: str | None, rev: str, sub: str, query: dict[str, list[str]],
+             form: dict[str, list[str]]) -> None:
+        got = self._commit(repo_id, rev or "main")
+        if got is None:
+            return None
+        sha, files = got
+        expand = (query.get("expand") or form.get("expand") or ["false"])[0].lower() == "true"
+
+        def entry(path: str) -> dict[str, Any]:
+            if path in files:
+                out = files[path].entry(path)
+            else:
+                out = {"type": "directory", "path": path, "size": 0,
+                       "oid": hashlib.sha1(f"{sha}/{path}".encode()).hexdigest()}
+            if expand:
+                out["lastCommit"] = {"id": sha, "title": "upload", "date": "2025-01-01T00:00:00.000Z"}
+            return out
+
+        dirs = {"/".join(p.split("/")[:i]) for p in files for i in range(1, p.count("/") + 1)}
+        if kind is None or kind == "revision":
+            sib: list[dict[str, Any]] = []
+            for path, b in sorted(files.items()):
+                s: dict[str, Any] = {"rfilename": path}
+                if (query.get("blobs") or ["false"])[0].lower() == "true":
+                    s.update(size=len(b.data), blobId=b.git_oid)
+                    if b.lfs:
+                        s["lfs"] = {"size": len(b.data), "sha256": b.sha256, "pointerSize": len(b.pointer)}
+                sib.append(s)
+            return self._json({"id": repo_id, "modelId": repo_id, "sha": sha, "private": False,
+                               "siblings": sib, "tags": [], "downloads": 0, "likes": 0})
+        if kind == "tree":
+            recursive = (query.get("recursive") or ["false"])[0].lower() == "true"
+            if sub and sub not in dirs:
+                return self._error("EntryNotFound")
+            prefix = sub + "/" if sub else ""
+            names = sorted({p for p in [*files, *dirs] if p.startswith(prefix)
+                            and (recursive or "/" not in p[len(prefix):])})
+            return self._json([entry(p) for p in names])
+        # paths-info: the entries that exist, in the order asked
+        return self._json([entry(p) for p in form.get("paths", []) if p in files or p in dirs])
+
+    # -- /resolve and the CDN
+    def _resolve(self, repo_id: str, rev: str, path: str) -> None:
+        got = self._commit(repo_id, rev)
+        if got is None:
+            return None
+        sha, files = got
+        blob = files.get(path)
+        if blob is None:
+            return self._error("EntryNotFound", {"X-Repo-Commit": sha})
+        headers = {"X-Repo-Commit": sha, "Accept-Ranges": "bytes"}
+        if blob.lfs:
+            token = secrets.token_hex(8)
+            with self.hub._lock:
+                self.hub.tokens[token] = blob.sha256
+            exp = int(time.time()) + 3600
+            headers.update({"Location": f"{self.hub.cdn_url}/cdn/{blob.sha256}?token={token}&Expires={exp}",
+                            "X-Linked-Etag": f'"{blob.sha256}"', "X-Linked-Size": str(len(blob.data)),
+                            "ETag": f'"{blob.git_oid}"'})
+            return self._send(302, b"Found. Redirecting", headers, content_type="text/plain")
+        headers["ETag"] = f'"{blob.git_oid}"'
+        return self._bytes(blob.data, headers)
+
+    def _cdn(self, sha256: str, query: dict[str, list[str]]) -> None:
+        token = (query.get("token") or [""])[0]
+        with self.hub._lock:
+            ok = self.hub.tokens.get(token) == sha256
+        if not ok:
+            return self._send(403, b"<Error><Code>AccessDenied</Code><Message>Request has expired</Message></Error>",
+                              content_type="application/xml")
+        blob = self.hub.blobs[sha256]
+        return self._bytes(blob.data, {"ETag": f'"{sha256}"', "Accept-Ranges": "bytes"})
+
+    def _bytes(self, data: bytes, headers: dict[str, str]) -> None:
+        """The file, or the one range asked for (multi-range requests are answered in full, 200)."""
+        size = len(data)
+        rng = self.headers.get("Range")
+        status, begin, end = 200, 0, size
+        if rng is not None and (m := _RANGE.match(rng.strip())) and (m.group(1) or m.group(2)):
+            if m.group(1):
+                begin = int(m.group(1))
+                end = min(size, int(m.group(2)) + 1) if m.group(2) else size
+            else:
+                begin, end = max(0, size - int(m.group(2))), size
+            if begin >= size or end <= begin:
+                return self._send(416, b"", {**headers, "Content-Range": f"bytes */{size}"})
+            status = 206
+            headers = {**headers, "Content-Range": f"bytes {begin}-{end - 1}/{size}"}
+        body = data[begin:end]
+        fault, self._fault = self._fault, None
+        if fault is None or self.command == "HEAD":
+            return self._send(status, body, headers, content_type="application/octet-stream")
+        if fault.kind == "corrupt":
+            mid = len(body) // 2
+            return self._send(status, body[:mid] + bytes([body[mid] ^ 0x01]) + body[mid + 1:], headers,
+                              content_type="application/octet-stream")
+        if fault.kind == "short":  # a well-formed response that holds fewer bytes than its Content-Range says
+            return self._send(status, body[: len(body) // 2], headers, content_type="application/octet-stream")
+        if fault.kind == "drop":  # Content-Length promises the range; the connection closes halfway
+            self._req.status = status
+            self.send_response(status)
+            self.send_header("Content-Type", "application/octet-stream")
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            half = body[: len(body) // 2]
+            self.wfile.write(half)
+            self.wfile.flush()
+            self._req.sent += len(half)
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return None
+        raise AssertionError(f"unknown fault {fault.kind!r}")
