@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from mxfp4conv.io.checkpoint import Checkpoint, open_checkpoint
 from mxfp4conv.layouts import Layout, Plan, Problem, detect_layout, is_config_evidence
 from mxfp4conv.precision import build_precision
 from mxfp4conv.writers import WriterContext, refusals, valid_targets
+from mxfp4conv.writers.base import TargetOptions
 
 __all__ = ["SCHEMA_VERSION", "InspectReport", "analyze", "inspect_checkpoint", "writer_context"]
 
@@ -33,6 +35,7 @@ class InspectReport:
     targets: list[str]
     problems: list[Problem] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)
+    hub: dict[str, Any] | None = None  # a repo read on the Hub: repo id, commit, files' sizes and sha256
 
     @property
     def exit_code(self) -> int:
@@ -68,6 +71,7 @@ class InspectReport:
             "problems": [p.to_dict() for p in self.problems],
             "targets": self.targets,
             "refused": self.refused,
+            "hub": self.hub,
         }
 
 
@@ -76,9 +80,11 @@ def fp4_experts(plan: Plan) -> int:
     return sum(3 * u.dims[0] for u in plan.units if u.kind == "moe")
 
 
-def writer_context(plan: Plan, ckpt: Checkpoint, options: dict[str, str] | None = None) -> WriterContext:
+def writer_context(plan: Plan, ckpt: Checkpoint, options: TargetOptions | Mapping[str, str] | None = None) -> WriterContext:
+    """The writer context of ``plan``; ``options`` typed, or in their string form (a manifest's)."""
     pt = {u.key: (ckpt.tensors[u.key].dtype, ckpt.tensors[u.key].shape) for u in plan.units if u.kind == "passthrough"}
-    return WriterContext(plan.facts, plan.layout, plan.units, pt, options or {}, plan.precision)
+    typed = options if isinstance(options, TargetOptions) else TargetOptions.parse(options or {})
+    return WriterContext(plan.facts, plan.layout, plan.units, pt, typed, plan.precision)
 
 
 def _fp4_modules(plan: Plan) -> list[str]:
@@ -145,11 +151,23 @@ def analyze(ckpt: Checkpoint) -> tuple[Layout, Plan, list[str]]:
 
 
 def inspect_checkpoint(src: str | Path, revision: str | None = None) -> InspectReport:
-    ckpt = open_checkpoint(src, revision)
+    """A folder, or a Hugging Face repo id (``org/model[@revision]``) read on the Hub: its headers by
+    range and its small files, nothing downloaded that ``inspect`` does not read."""
+    ckpt = open_checkpoint(src, revision, remote=True)
     _, plan, evidence = analyze(ckpt)
     ctx = writer_context(plan, ckpt)
     return InspectReport(
         source=str(src), layout=plan.layout, evidence=evidence, plan=plan, tensors=len(ckpt.tensors),
         total_bytes=ckpt.total_bytes, files=[ckpt.rel(f) for f in ckpt.shard_files],
         targets=valid_targets(ctx) if not plan.problems else [], problems=plan.problems,
-        refused=refusals(ctx) if not plan.problems else {})
+        refused=refusals(ctx) if not plan.problems else {}, hub=_hub_facts(ckpt))
+
+
+def _hub_facts(ckpt: Checkpoint) -> dict[str, Any] | None:
+    repo = ckpt.remote
+    if repo is None:
+        return None
+    return {"repo_id": repo.repo_id, "revision": repo.revision, "commit": repo.commit,
+            "header_bytes_fetched": repo.fetched,
+            "files": {ckpt.rel(f): {"size": repo.files[ckpt.rel(f)].size, "sha256": repo.files[ckpt.rel(f)].sha256}
+                      for f in ckpt.shard_files}}

@@ -1,4 +1,9 @@
-"""Open a checkpoint folder (or a Hugging Face repo id) from headers and JSON files only."""
+"""Open a checkpoint folder (or a Hugging Face repo id) from headers and JSON files only.
+
+A repo id (``org/model`` or ``org/model@revision``) is downloaded into huggingface_hub's cache by
+:func:`resolve_source` (what ``convert`` reads), or read remotely by ``open_checkpoint(...,
+remote=True)`` (what ``inspect`` asks for): headers by range, small files only (mxfp4conv/io/hub.py).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from mxfp4conv.errors import InputError
-from mxfp4conv.io.safetensors_io import TensorRef, load_json, read_header
+from mxfp4conv.io import hub
+from mxfp4conv.io.safetensors_io import TensorRef, load_json, parse_header, read_header
 
 __all__ = ["PICKLE_SUFFIXES", "Checkpoint", "open_checkpoint", "resolve_source"]
 
@@ -33,6 +39,8 @@ class Checkpoint:
     shard_metadata: dict[str, dict[str, str]] = field(default_factory=dict)
     repo_id: str | None = None
     revision: str | None = None
+    # a repo read remotely (inspect): the files' sizes and sha256 as the Hub lists them
+    remote: hub.RemoteRepo | None = field(default=None, repr=False, compare=False)
     _rel: dict[Path, str] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -53,32 +61,40 @@ class Checkpoint:
 
 
 def resolve_source(src: str, revision: str | None = None) -> tuple[Path, str | None, str | None]:
-    """A local folder as is; otherwise a Hugging Face repo id resolved into the local HF cache.
+    """A local folder as is; otherwise a Hugging Face repo id (``org/model`` or ``org/model@rev``)
+    resolved into the local HF cache.
 
     Returns (folder, repo_id or None, resolved revision or None). Network access follows
-    huggingface_hub's own settings (HF_HUB_OFFLINE=1 keeps it to the cache).
+    huggingface_hub's own settings (HF_HUB_OFFLINE=1 keeps it to the cache). Every top-level file is
+    fetched except pickle weights: what a local copy of the repo would give ``convert`` (its extra
+    files included, ``.gitattributes`` too); subfolders (such as ``original/``) are not.
     """
     path = Path(src)
     if path.exists():
         return path, None, None
-    if not _REPO_ID.match(src):
-        raise InputError("no such file or folder", file=src,
-                         hint="pass a checkpoint folder or a Hugging Face repo id like org/name")
+    repo_id, revision = _repo_id(src, revision)
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
     except ImportError as exc:  # pragma: no cover - huggingface_hub is a dependency
         raise InputError("huggingface_hub is not installed", file=src) from exc
     try:
-        folder = snapshot_download(repo_id=src, revision=revision,
-                                   allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
-                                                   "*.jinja", "*.tiktoken", "*.md"],
-                                   ignore_patterns=["original/*"])
+        folder = snapshot_download(repo_id=repo_id, revision=revision,
+                                   ignore_patterns=["*/*", *(f"*{s}" for s in PICKLE_SUFFIXES)])
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
         raise InputError(f"cannot resolve Hugging Face repo: {type(exc).__name__}: {exc}", file=src,
                          hint="check the repo id, or pre-download it and set HF_HUB_OFFLINE=1") from exc
     folder_path = Path(folder)
-    return folder_path, src, folder_path.name
+    return folder_path, repo_id, folder_path.name
+
+
+def _repo_id(src: str, revision: str | None) -> tuple[str, str | None]:
+    """``org/model[@rev]`` (not a local path) -> (repo id, revision)."""
+    repo_id, revision = hub.split_revision(src, revision)
+    if not _REPO_ID.match(repo_id):
+        raise InputError("no such file or folder", file=src,
+                         hint="pass a checkpoint folder or a Hugging Face repo id like org/name or org/name@revision")
+    return repo_id, revision
 
 
 def _inside(root: Path, rel_name: str, what: str, named_by: Path | None = None) -> Path:
@@ -163,8 +179,14 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def open_checkpoint(src: str | Path, revision: str | None = None) -> Checkpoint:
-    """Enumerate a checkpoint from its headers, config.json and (if present) hf_quant_config.json."""
+def open_checkpoint(src: str | Path, revision: str | None = None, *, remote: bool = False) -> Checkpoint:
+    """Enumerate a checkpoint from its headers, config.json and (if present) hf_quant_config.json.
+
+    ``remote``: a repo id is read on the Hub (headers by range, small files only) instead of being
+    downloaded; its tensors' files are ``org/model@sha/<file>`` paths that hold no data. In
+    huggingface_hub's offline mode a repo id is read from its cache, as without ``remote``."""
+    if remote and not Path(str(src)).exists() and not hub.offline():
+        return _open_remote(*_repo_id(str(src), revision))
     root, repo_id, rev = resolve_source(str(src), revision)
     if not root.is_dir():
         raise InputError("SRC is not a folder", file=str(root),
@@ -200,19 +222,84 @@ def open_checkpoint(src: str | Path, revision: str | None = None) -> Checkpoint:
             files.append(path)
             shard, meta = read_header(path)
             metas[name] = meta
-            for tname, ref in shard.items():
-                if tname in tensors:
-                    raise InputError(f"tensor also stored in {tensors[tname].file.name}", file=str(path),
-                                     tensor=tname, hint="remove the duplicate shard")
-                if wmap is not None and wmap.get(tname) != name:
-                    raise InputError(f"tensor is in this shard but the index maps it to {wmap.get(tname)!r}",
-                                     file=str(path), tensor=tname, hint="regenerate model.safetensors.index.json")
-                tensors[tname] = ref
+            _add_shard(tensors, shard, wmap, name, path)
         if wmap is not None:
-            missing = sorted(set(wmap) - set(tensors))
-            if missing:
-                raise InputError(f"index lists the tensor in {wmap[missing[0]]} but the shard does not hold it"
-                                 f" ({len(missing)} missing)", file=str(root / wmap[missing[0]]),
-                                 tensor=missing[0], hint="download the shard again")
+            _all_mapped(tensors, wmap, root)
     return Checkpoint(root=root, config=config, tensors=tensors, shard_files=files, hf_quant_config=hqc,
                       shard_metadata=metas, repo_id=repo_id, revision=rev)
+
+
+def _add_shard(tensors: dict[str, TensorRef], shard: dict[str, TensorRef], wmap: dict[str, str] | None,
+               name: str, path: Path) -> None:
+    for tname, ref in shard.items():
+        if tname in tensors:
+            raise InputError(f"tensor also stored in {tensors[tname].file.name}", file=str(path),
+                             tensor=tname, hint="remove the duplicate shard")
+        if wmap is not None and wmap.get(tname) != name:
+            raise InputError(f"tensor is in this shard but the index maps it to {wmap.get(tname)!r}",
+                             file=str(path), tensor=tname, hint="regenerate model.safetensors.index.json")
+        tensors[tname] = ref
+
+
+def _all_mapped(tensors: dict[str, TensorRef], wmap: dict[str, str], root: Path) -> None:
+    missing = sorted(set(wmap) - set(tensors))
+    if missing:
+        raise InputError(f"index lists the tensor in {wmap[missing[0]]} but the shard does not hold it"
+                         f" ({len(missing)} missing)", file=str(root / wmap[missing[0]]),
+                         tensor=missing[0], hint="download the shard again")
+
+
+def _open_remote(repo_id: str, revision: str | None) -> Checkpoint:
+    """A repo read on the Hub at one pinned commit: the small JSON files downloaded, every shard's
+    header read by range (mxfp4conv/io/hub.py), no tensor data."""
+    repo = hub.open_repo(repo_id, revision)
+    root = repo.root
+    top = {n for n in repo.files if "/" not in n}
+    if "config.json" not in top:
+        raise InputError("config.json is missing", file=str(root / "config.json"),
+                         hint="the repo must hold config.json beside the safetensors shards")
+    config = load_json(repo.download("config.json"), what="config.json")
+    hqc = (load_json(repo.download("hf_quant_config.json"), what="hf_quant_config.json")
+           if "hf_quant_config.json" in top else None)
+    with _gc_paused():
+        wmap: dict[str, str] | None = None
+        if INDEX_NAME in top:
+            index = load_json(repo.download(INDEX_NAME), what="shard index")
+            got = index.get("weight_map")
+            if not isinstance(got, dict) or not got or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in got.items()):
+                raise InputError("weight_map is missing, empty or not a map of tensor name to file name",
+                                 file=str(root / INDEX_NAME), hint="restore the index from the original release")
+            wmap = got
+            names = sorted(set(wmap.values()))
+        else:
+            names = sorted(n for n in top if n.endswith(".safetensors"))
+            if not names:
+                pickles = sorted(n for n in top if n.endswith(PICKLE_SUFFIXES))
+                if pickles:
+                    raise InputError(f"only pickle weights found ({', '.join(pickles[:3])}); mxfp4conv never "
+                                     "unpickles files, as loading a pickle can run arbitrary code",
+                                     file=str(root / pickles[0]),
+                                     hint="convert the weights to safetensors with a trusted tool first")
+                raise InputError("no *.safetensors files and no model.safetensors.index.json", file=str(root),
+                                 hint="the repo must hold the checkpoint's safetensors shards at its top level")
+        tensors: dict[str, TensorRef] = {}
+        files: list[Path] = []
+        metas: dict[str, dict[str, str]] = {}
+        for name in names:
+            if (not name or "\x00" in name or name.startswith("/") or "\\" in name
+                    or any(part in ("..", ".", "") for part in name.split("/"))):
+                raise InputError(f"shard {name!r} named by the index is not a file path inside the repo",
+                                 file=str(root / INDEX_NAME), hint="the index must name shard files of the repo")
+            path = repo.path(name)
+            if name not in repo.files:
+                raise InputError(f"shard {name!r} listed in the index does not exist", file=str(path),
+                                 hint="the repo lacks the shard; check the index")
+            shard, meta = parse_header(repo.read_header_bytes(name), repo.files[name].size, path)
+            files.append(path)
+            metas[name] = meta
+            _add_shard(tensors, shard, wmap, name, path)
+        if wmap is not None:
+            _all_mapped(tensors, wmap, root)
+    return Checkpoint(root=root, config=config, tensors=tensors, shard_files=files, hf_quant_config=hqc,
+                      shard_metadata=metas, repo_id=repo_id, revision=repo.commit, remote=repo)

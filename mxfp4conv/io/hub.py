@@ -1,0 +1,286 @@
+"""A Hugging Face Hub repo read without downloading its weights.
+
+The revision is pinned once (``HfApi.repo_info`` gives the commit sha) and everything after names
+that commit: the file list with sizes and LFS sha256 (``list_repo_tree(recursive=True)``), the small
+files through huggingface_hub's cache (``hf_hub_download(revision=sha)``), and each safetensors
+shard's header through Range GETs on the file's resolved location (``hf_hub_url`` +
+``get_hf_file_metadata``, then huggingface_hub's own HTTP session and ``http_backoff``): one
+speculative range of ``HEAD_PROBE`` bytes that holds the 8-byte length and, usually, the whole
+header; a second range for the rest only when the header is larger. Every answer must be a 206 with
+the asked ``Content-Range`` and exactly that many bytes (a short body is an error, not data); no
+multi-range requests. 429 waits as huggingface_hub does (its RateLimit / Retry-After handling), 5xx
+and dropped connections are retried with backoff, a 403 from the redirect host (an expired link)
+re-resolves the file; a link to another host gets no token.
+
+Errors are ``InputError`` (exit 1), one line naming ``org/model@sha/<file>``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path, PosixPath
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from mxfp4conv.errors import InputError, UsageError
+
+__all__ = ["HEAD_PROBE", "HubFile", "HubPath", "RemoteRepo", "offline", "open_repo", "split_revision"]
+
+HEAD_PROBE = 64 << 10  # the first range of each shard: its 8-byte length and (usually) the whole header
+RETRIES = 5  # per request, as huggingface_hub's http_backoff
+_REPO_REF = re.compile(r"^([A-Za-z0-9][\w.-]*/[\w.-]+)@([^\s@]+)$")
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
+T = TypeVar("T")
+
+
+class HubPath(PosixPath):
+    """``org/model@sha/<file>``: names a file of a pinned Hub commit. It has no local bytes: opening
+    it (``os.open``, ``open``, ``stat``) raises ``InputError`` instead of reading a local path of the
+    same name."""
+
+    def __fspath__(self) -> str:
+        raise InputError("is a file of a Hugging Face repo, known from its header only: its data is not on "
+                         "this machine", file=str(self),
+                         hint="convert downloads the repo; or download it and pass the local folder")
+
+
+def offline() -> bool:
+    """huggingface_hub's offline mode (HF_HUB_OFFLINE=1): repo ids resolve from its cache only."""
+    from huggingface_hub import constants
+
+    check = getattr(constants, "is_offline_mode", None)
+    return bool(check() if callable(check) else getattr(constants, "HF_HUB_OFFLINE", False))
+
+
+def split_revision(src: str, revision: str | None) -> tuple[str, str | None]:
+    """``org/model@rev`` -> (``org/model``, ``rev``); ``--revision`` may say the same, not otherwise."""
+    m = _REPO_REF.match(src)
+    if m is None:
+        return src, revision
+    if revision is not None and revision != m.group(2):
+        raise UsageError(f"{src} names revision {m.group(2)!r} but --revision says {revision!r}",
+                         hint="give the revision once")
+    return m.group(1), m.group(2)
+
+
+@dataclass(frozen=True)
+class HubFile:
+    path: str
+    size: int
+    blob_id: str
+    sha256: str | None  # LFS files: the sha256 of the file's bytes, as the Hub records it
+
+
+@dataclass
+class RemoteRepo:
+    """A repo at one commit: its files, the small ones fetched on demand, headers read by range."""
+
+    repo_id: str
+    revision: str | None  # as asked (None: the default branch)
+    commit: str
+    files: dict[str, HubFile]
+    token: str | bool | None = None
+    fetched: int = 0  # body bytes of the header ranges read so far
+    _meta: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def root(self) -> HubPath:
+        return HubPath(f"{self.repo_id}@{self.commit}")
+
+    def path(self, name: str) -> HubPath:
+        return HubPath(f"{self.repo_id}@{self.commit}/{name}")
+
+    def download(self, name: str) -> Path:
+        """A small file (config, index, tokenizer) through huggingface_hub's cache, at the pinned commit."""
+        from huggingface_hub import hf_hub_download
+
+        local = _retrying(lambda: hf_hub_download(self.repo_id, name, revision=self.commit, token=self.token),
+                          str(self.path(name)))
+        got = Path(local)
+        if name in self.files and got.stat().st_size != self.files[name].size:
+            raise InputError(f"downloaded {got.stat().st_size} bytes, the Hub lists {self.files[name].size}",
+                             file=str(self.path(name)), hint="run the command again")
+        return got
+
+    def read_header_bytes(self, name: str) -> bytes:
+        """The first ``8 + n`` bytes of a safetensors file (its length and JSON header), or fewer when
+        the length is invalid (the parser names the problem), in at most two Range GETs."""
+        size = self.files[name].size
+        first = self.read_range(name, 0, min(size, HEAD_PROBE))
+        if len(first) < 8:
+            return first
+        end = 8 + int.from_bytes(first[:8], "little")
+        if end <= len(first) or end > size or end > 8 + (100 << 20):
+            return first  # the header is in hand, or its length is invalid: the parser says which
+        return first + self.read_range(name, len(first), end)
+
+    def read_range(self, name: str, begin: int, end: int) -> bytes:
+        """Bytes ``[begin, end)`` of file ``name`` at the pinned commit, checked (206, Content-Range,
+        exact length), retried on transient faults, re-resolved on an expired link."""
+        if end <= begin:
+            return b""
+        import httpx
+        from huggingface_hub.errors import HfHubHTTPError
+        from huggingface_hub.utils import build_hf_headers, http_backoff
+
+        where = str(self.path(name))
+        last = ""
+        for attempt in range(RETRIES + 1):
+            if attempt:
+                time.sleep(min(8.0, 0.5 * 2 ** (attempt - 1)))
+            location, same_host = self._location(name, refresh=attempt > 0 and last == "403")
+            headers = build_hf_headers(token=self.token if same_host else False)
+            if not same_host:
+                headers.pop("authorization", None)
+            headers.update({"Range": f"bytes={begin}-{end - 1}", "Accept-Encoding": "identity"})
+            try:
+                resp = http_backoff("GET", location, headers=headers, max_retries=RETRIES,
+                                    follow_redirects=True, timeout=_timeout())
+            except (httpx.HTTPError, HfHubHTTPError) as exc:  # retries spent on 5xx/429/network errors
+                raise InputError(f"cannot read bytes {begin}-{end - 1}: {_why(exc)}", file=where,
+                                 hint="check the network and run the command again") from exc
+            body = resp.content
+            self.fetched += len(body)
+            if resp.status_code == 403 and not same_host:
+                last = "403"  # a presigned link past its expiry: resolve the file again
+                continue
+            if resp.status_code == 416:
+                raise InputError(f"the Hub refuses bytes {begin}-{end - 1} (416): the file is shorter than "
+                                 f"the {self.files[name].size} bytes listed", file=where,
+                                 hint="the repo changed while it was read; run the command again")
+            if resp.status_code != 206:
+                last = f"HTTP {resp.status_code} instead of 206 Partial Content"
+                if resp.status_code in (200, 404) or 400 <= resp.status_code < 500:
+                    raise InputError(f"cannot read bytes {begin}-{end - 1}: {last}", file=where,
+                                     hint="a server that ignores Range requests cannot be read remotely")
+                continue
+            want = f"bytes {begin}-{end - 1}/{self.files[name].size}"
+            got = resp.headers.get("Content-Range", "")
+            if got.strip() != want:
+                m = _CONTENT_RANGE.match(got.strip())
+                if m and int(m.group(3)) != self.files[name].size:
+                    raise InputError(f"the file is {m.group(3)} bytes on the server, the Hub lists "
+                                     f"{self.files[name].size}", file=where,
+                                     hint="the repo changed while it was read; run the command again")
+                last = f"Content-Range {got!r} for {want!r}"
+                continue
+            if len(body) != end - begin:
+                last = f"{len(body)} bytes for a range of {end - begin}"  # a short body is an error, not data
+                continue
+            return body
+        raise InputError(f"cannot read bytes {begin}-{end - 1} after {RETRIES + 1} attempts: {last}", file=where,
+                         hint="check the network and run the command again")
+
+    def _location(self, name: str, *, refresh: bool) -> tuple[str, bool]:
+        """Where the file's bytes are (the ``/resolve/`` redirect's target), whether it is the Hub's own
+        host (then the token may go there); checked against the pinned commit, size and sha256."""
+        cached = self._meta.get(name)
+        if cached is not None and not refresh:
+            return cached
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+        url = hf_hub_url(self.repo_id, name, revision=self.commit)
+        where = str(self.path(name))
+        meta = _retrying(lambda: get_hf_file_metadata(url, token=self.token, retry_on_errors=True), where)
+        info = self.files[name]
+        if meta.commit_hash is not None and meta.commit_hash != self.commit:
+            raise InputError(f"the Hub answers for commit {meta.commit_hash}, not the pinned {self.commit}",
+                             file=where, hint="the repo changed while it was read; run the command again")
+        if meta.size is not None and meta.size != info.size:
+            raise InputError(f"the Hub says {meta.size} bytes, its file list {info.size}", file=where,
+                             hint="the repo changed while it was read; run the command again")
+        if info.sha256 is not None and meta.etag is not None and meta.etag != info.sha256:
+            raise InputError(f"ETag {meta.etag} is not the file's sha256 {info.sha256}", file=where,
+                             hint="the repo changed while it was read; run the command again")
+        same = (urlsplit(meta.location).hostname or "").lower() == (urlsplit(url).hostname or "").lower()
+        self._meta[name] = (meta.location, same)
+        return meta.location, same
+
+
+def open_repo(repo_id: str, revision: str | None = None, *, token: str | bool | None = None) -> RemoteRepo:
+    """Pin ``revision`` (default branch when None) of ``repo_id`` to its commit and list its files."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+
+    api = HfApi(token=token)
+    info = _retrying(lambda: api.repo_info(repo_id, revision=revision), repo_id + (f"@{revision}" if revision else ""))
+    commit = info.sha
+    if not commit:
+        raise InputError("the Hub gave no commit sha for the repo", file=repo_id, hint="check HF_ENDPOINT")
+    entries = _retrying(lambda: list(api.list_repo_tree(repo_id, revision=commit, recursive=True)),
+                        f"{repo_id}@{commit}")
+    files = {e.path: HubFile(e.path, int(e.size), e.blob_id, e.lfs.sha256 if e.lfs is not None else None)
+             for e in entries if isinstance(e, RepoFile)}
+    return RemoteRepo(repo_id, revision, commit, files, token)
+
+
+def _retrying(fn: Callable[[], T], where: str) -> T:
+    """``fn`` (a huggingface_hub call) with retries on 429 (waiting as the RateLimit / Retry-After
+    headers say, as huggingface_hub's http_backoff does), 5xx and network errors; other failures
+    become one ``InputError`` line."""
+    import httpx
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+    from huggingface_hub.utils import parse_ratelimit_headers
+
+    wait = 1.0
+    for attempt in range(RETRIES + 1):
+        try:
+            return fn()
+        except GatedRepoError as exc:
+            raise InputError("the repo is gated and this account has no access", file=where,
+                             hint="accept its terms on the Hub and log in (hf auth login or HF_TOKEN)") from exc
+        except RepositoryNotFoundError as exc:
+            raise InputError("no such repo on the Hub (or it is private)", file=where,
+                             hint="check the repo id; for a private repo log in (hf auth login or HF_TOKEN)") from exc
+        except RevisionNotFoundError as exc:
+            raise InputError("no such revision in the repo", file=where,
+                             hint="check the branch, tag or commit after @ / --revision") from exc
+        except RemoteEntryNotFoundError as exc:
+            raise InputError("no such file in the repo at this revision", file=where,
+                             hint="check the file list on the Hub") from exc
+        except (HfHubHTTPError, httpx.HTTPError, LocalEntryNotFoundError) as exc:
+            # LocalEntryNotFoundError: hf_hub_download's HEAD failed and the cache has no copy
+            cause = exc.__cause__ if isinstance(exc, LocalEntryNotFoundError) else exc
+            resp: httpx.Response | None = getattr(cause, "response", None)
+            status = resp.status_code if resp is not None else None
+            if (status is not None and status != 429 and status < 500) or attempt == RETRIES:
+                raise InputError(f"cannot read from the Hub: {_why(exc)}", file=where,
+                                 hint="check the repo id, the network and HF_ENDPOINT") from exc
+            sleep = wait
+            if resp is not None and status == 429:
+                rl = parse_ratelimit_headers(resp.headers)
+                if rl is not None and rl.remaining == 0:
+                    sleep = float(rl.reset_in_seconds) + 1
+                elif (ra := resp.headers.get("Retry-After", "").strip()).isdigit():
+                    sleep = float(ra)
+            time.sleep(sleep)
+            wait = min(8.0, wait * 2)
+        except OSError as exc:  # the local cache
+            raise InputError(f"cannot write huggingface_hub's cache: {exc}", file=where,
+                             hint="check HF_HUB_CACHE / HF_HOME and the free disk space") from exc
+    raise AssertionError("unreachable")
+
+
+def _why(exc: BaseException) -> str:
+    """A huggingface_hub error's first line (its messages run over several)."""
+    text = " ".join(str(exc).split("\n\n")[0].split()) or type(exc).__name__
+    return text[:300]
+
+
+def _timeout() -> float:
+    try:
+        return float(os.environ.get("HF_HUB_DOWNLOAD_TIMEOUT", "") or 10)
+    except ValueError:
+        return 10.0
+
