@@ -89,14 +89,14 @@ def conv(src: Path, dst: Path, *flags: str, env: dict[str, str] | None = None) -
 
 def unit_budget(src: Path) -> tuple[int, int]:
     """(the largest unit's bytes, source or output, whichever is larger; 1 GiB + 2x that)."""
-    from mxfp4conv.job import ConvertOptions, direct_slices, prepare
+    from mxfp4conv.job import ConvertOptions, prepare
 
     job = prepare(src, ConvertOptions(target="ct"))
     largest = 0
-    for u in job.plan.units:
-        if direct_slices(u, job.ckpt, job.target, job.ctx) is None:
-            read = sum(job.ckpt.tensors[n].nbytes for n in u.sources if n in job.ckpt.tensors)
-            largest = max(largest, read, sum(o.nbytes for o in job.target.out_specs(u, job.ctx)))
+    for _, shard in job.output.shards():
+        for u in shard.units:
+            if u.direct is None:
+                largest = max(largest, u.read_bytes, u.nbytes)
     return largest, (1 << 30) + 2 * largest
 
 

@@ -32,24 +32,24 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from mxfp4conv.job import Job
+
 from mxfp4conv.canonical import Canonical, FP4Weight, MoELayer
 from mxfp4conv.errors import VerificationFailed
 from mxfp4conv.io.safetensors_io import CheckRange, FileSlice, torch_dtype
-from mxfp4conv.verify import MAX_SHOWN, compare_units, first_range_difference, planned_mismatches
-from mxfp4conv.writers.base import OutTensor, UnitSpec, WriterContext
+from mxfp4conv.plan import PlannedUnit
+from mxfp4conv.verify import MAX_SHOWN, first_range_difference, planned_mismatches, prove_unit
+from mxfp4conv.writers.base import OutTensor, Target, UnitSpec, WriterContext
 
 __all__ = ["GROUP_BYTES", "InlineVerifier"]
 
 GROUP_BYTES = 48 << 20  # bytes of output decoded and compared at once for a MoE unit
-# targets whose MoE decode reads per-expert names "<key>.<e>.<...>" or fused [E, ...] tensors: a
-# group of experts is decoded from a narrower spec with the names (or rows) shifted
-_GROUPED_TARGETS = {"ct", "quark", "gpt-oss"}
 
 
 class InlineVerifier:
     """Builds the per-unit checks of one conversion and gathers their counts and mismatches."""
 
-    def __init__(self, target: Any, source: str, destination: str) -> None:
+    def __init__(self, target: Target, source: str, destination: str) -> None:
         self.target = target
         self.source, self.destination = source, destination
         self.units = 0
@@ -91,9 +91,9 @@ class InlineVerifier:
 
         return CheckRange(run, hold=0)
 
-    def decoded(self, want: Canonical, spec: UnitSpec, rctx: WriterContext, shard: Path) -> CheckRange:
+    def decoded(self, want: Canonical, unit: PlannedUnit, rctx: WriterContext, shard: Path) -> CheckRange:
         """The check of a decoded unit against ``want`` (the canonical unit SRC yields)."""
-        outs = self.target.out_specs(spec, rctx)
+        spec, outs = unit.spec, unit.outs
         hold = _canonical_host_bytes(want)
 
         def run(fd: int, begin: int, end: int) -> None:
@@ -105,24 +105,22 @@ class InlineVerifier:
             if pos != end:
                 self._done(len(outs), [{"tensor": spec.key, "message": "unit bytes misplaced in the shard"}], shard)
             found: list[dict[str, Any]] = []
-            custom = getattr(self.target, "verify_unit", None)
+            target = self.target
             dev = _device_of(want)
             if dev is not None:  # the whole unit to the device through a small pinned buffer; compared there
                 buf = _to_device(fd, begin, end, dev)
                 get = _device_getter(buf, begin, where)
-                got = custom(want, spec, rctx, get) if custom else None
-                found = got if got is not None else compare_units(want, self.target.decode(spec, rctx, get))
+                found = prove_unit(target, want, spec, rctx, get)
                 del buf
                 self._done(len(outs), found, shard)
                 return
-            for e0, e1 in _groups(spec, self.target, sum(o.nbytes for o in outs)):
+            for e0, e1 in _groups(spec, target, unit.nbytes):
                 if e1 - e0 == (spec.dims[0] if spec.kind == "moe" else 1) and e0 == 0:
                     sub, part, get = spec, want, _getter(fd, where, spec, 0, 0)
                 else:
                     sub = dataclasses.replace(spec, dims=(e1 - e0, *spec.dims[1:]))
                     part, get = _experts(want, e0, e1), _getter(fd, where, spec, e0, e1)
-                got = custom(part, sub, rctx, get) if custom else None
-                found += got if got is not None else compare_units(part, self.target.decode(sub, rctx, get))
+                found += prove_unit(target, part, sub, rctx, get)
                 if found:
                     break
             self._done(len(outs), found, shard)
@@ -130,14 +128,14 @@ class InlineVerifier:
         return CheckRange(run, hold=hold)
 
 
-def check_structure(verifier: InlineVerifier, job: Any, staging: Path) -> None:
+def check_structure(verifier: InlineVerifier, job: Job, staging: Path) -> None:
     """The written headers hold exactly the planned tensors, dtypes and shapes (every rank folder)."""
     from mxfp4conv.io.checkpoint import open_checkpoint
 
     found: list[dict[str, Any]] = []
-    for _, folder, rctx in job.rank_contexts():
-        out = open_checkpoint(staging / folder if folder else staging)
-        found += planned_mismatches(out, job.plan, job.target, rctx)
+    for rank in job.output.ranks:
+        out = open_checkpoint(staging / rank.folder if rank.folder else staging)
+        found += planned_mismatches(out, rank)
     if found:
         verifier.mismatches.extend(found[:MAX_SHOWN])
         first = found[0]
@@ -155,10 +153,10 @@ def _canonical_host_bytes(unit: Canonical) -> int:
     return total
 
 
-def _groups(spec: UnitSpec, target: Any, nbytes: int) -> list[tuple[int, int]]:
+def _groups(spec: UnitSpec, target: Target, nbytes: int) -> list[tuple[int, int]]:
     """Expert ranges decoded at once: groups of about GROUP_BYTES for a MoE unit of a target whose
     decode can be narrowed, else the whole unit."""
-    if spec.kind != "moe" or target.NAME not in _GROUPED_TARGETS or not spec.dims:
+    if spec.kind != "moe" or not target.DECODES_EXPERT_GROUPS or not spec.dims:
         return [(0, spec.dims[0] if spec.kind == "moe" and spec.dims else 1)]
     experts = spec.dims[0]
     per = max(1, nbytes // max(experts, 1))

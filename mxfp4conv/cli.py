@@ -195,10 +195,10 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
             if clash:
                 raise click.UsageError(f"--ray cannot be combined with {', '.join(clash)} "
                                        "(--ray plans the partitions and devices itself)")
-        extra = TargetOptions(tp_size=tp_size, engine=engine, marlin_act=marlin_act, keep_nvfp4=keep_nvfp4).as_strings()
+        topts = TargetOptions(tp_size=tp_size, engine=engine, marlin_act=marlin_act, keep_nvfp4=keep_nvfp4)
         opts = ConvertOptions(target=target, scale_rule=scale_rule, device=_device(device),
                               max_shard_size=parse_size(max_shard_size), overwrite=overwrite, dry_run=dry_run,
-                              verify=not no_verify, skip_if_current=skip_if_current, revision=revision, extra=extra,
+                              verify=not no_verify, skip_if_current=skip_if_current, revision=revision, target_options=topts,
                               resume=resume, partition=_partition(partition), finish=finish,
                               devices=_device_list(devices))
         bar = None if as_json or not sys.stderr.isatty() else _progress_bar()

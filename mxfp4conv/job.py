@@ -1,9 +1,9 @@
 """A conversion job as planned from SRC's headers: what both ``convert`` and ``verify`` start from.
 
 ``prepare(src, opts)`` opens the checkpoint, detects its layout, plans its units, resolves the
-target and builds the writer context; the ``Job`` it returns carries them with the options. The
-helpers here decide where units are transformed and which of them are plain byte-range copies.
-Nothing here imports torch unless a GPU has to be looked for.
+target, builds the writer context and the conversion plan (``plan.py``: every output rank, shard
+and unit); the ``Job`` it returns carries them with the options. The helpers here decide where units
+are transformed. Nothing here imports torch unless a GPU has to be looked for.
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from typing import Any
 from mxfp4conv.errors import InputError, UsageError
 from mxfp4conv.inspect import analyze, writer_context
 from mxfp4conv.io.checkpoint import Checkpoint, open_checkpoint
-from mxfp4conv.io.safetensors_io import FileSlice
-from mxfp4conv.layouts.base import Plan
+from mxfp4conv.layouts.base import Layout, Plan
+from mxfp4conv.plan import ConversionPlan, plan_conversion
 from mxfp4conv.writers import Target, WriterContext, get_target, resolve_auto
-from mxfp4conv.writers.base import UnitSpec
+from mxfp4conv.writers.base import TargetOptions
 
-__all__ = ["GB", "ConvertOptions", "Job", "cpu_kernel", "devices", "direct_slices", "needs_device", "prepare",
-           "resolve_device"]
+__all__ = ["GB", "ConvertOptions", "Job", "cpu_kernel", "devices", "needs_device", "prepare", "resolve_device"]
 
 GB = 1000**3
 
@@ -38,7 +37,7 @@ class ConvertOptions:
     verify: bool = True
     skip_if_current: bool = False
     revision: str | None = None
-    extra: dict[str, str] = field(default_factory=dict)  # target options (tp_size, engine, ...)
+    target_options: TargetOptions = field(default_factory=TargetOptions)
     resume: bool = False  # reuse finished shards of an interrupted run's staging folder
     partition: tuple[int, int] | None = None  # (i, n): write only shards j with j % n == i, publish nothing
     finish: bool = False  # publish once every partition's shards are in the staging folder
@@ -46,18 +45,20 @@ class ConvertOptions:
 
     def fingerprint_dict(self) -> dict[str, Any]:
         return {"target": self.target, "scale_rule": self.scale_rule, "max_shard_size": self.max_shard_size,
-                "extra": dict(sorted(self.extra.items()))}
+                "extra": dict(sorted(self.target_options.as_strings().items()))}
 
 
 @dataclass(frozen=True)
 class Job:
-    """SRC planned for one target: checkpoint, layout module, unit plan, target, writer context, options."""
+    """SRC planned for one target: checkpoint, layout, unit plan, target, writer context, the
+    conversion plan (what is written, rank by rank), options."""
 
     ckpt: Checkpoint
-    layout: Any  # the layout module (detect / validate / plan / read)
+    layout: Layout
     plan: Plan
     target: Target
     ctx: WriterContext
+    output: ConversionPlan
     opts: ConvertOptions
 
     @property
@@ -66,14 +67,6 @@ class Job:
 
     def with_options(self, opts: ConvertOptions) -> Job:
         return dataclasses.replace(self, opts=opts)
-
-    def rank_contexts(self) -> list[tuple[int, str, WriterContext]]:
-        """(rank, output folder, the rank's writer context) for every tensor-parallel rank written."""
-        out = []
-        for r in self.target.ranks(self.ctx):
-            rctx = dataclasses.replace(self.ctx, options={**self.ctx.options, "tp_rank": str(r)})
-            out.append((r, self.target.rank_folder(r, rctx), rctx))
-        return out
 
 
 def prepare(src: str | Path, opts: ConvertOptions) -> Job:
@@ -88,17 +81,16 @@ def prepare(src: str | Path, opts: ConvertOptions) -> Job:
                          hint="run `mxfp4conv inspect SRC` for every problem; fix or re-download the checkpoint")
     name = resolve_auto(plan.facts.model_type) if opts.target == "auto" else opts.target
     target = get_target(name)
-    ctx = writer_context(plan, ckpt, {**opts.extra, "target": name, "scale_rule": opts.scale_rule})
+    ctx = writer_context(plan, ckpt, opts.target_options)
     why = target.refuse(ctx)
     if why and opts.target == "auto" and name == "gpt-oss":
         # gpt_oss with FP4 attention (llm-compressor) has no native layout: Quark is the served one
         name = "quark"
         target = get_target(name)
-        ctx = writer_context(plan, ckpt, {**opts.extra, "target": name, "scale_rule": opts.scale_rule})
         why = target.refuse(ctx)
     if why:
         raise InputError(f"cannot convert {plan.layout} ({plan.facts.model_type}) to --to {name}: {why}")
-    return Job(ckpt, layout, plan, target, ctx, opts)
+    return Job(ckpt, layout, plan, target, ctx, plan_conversion(plan, ckpt, target, ctx, opts.max_shard_size), opts)
 
 
 def needs_device(ctx: WriterContext) -> bool:
@@ -147,22 +139,3 @@ def devices(opts: ConvertOptions) -> list[str]:
         if torch.cuda.is_available():
             return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     return [opts.device]
-
-
-def direct_slices(spec: UnitSpec, ckpt: Checkpoint, target: Target, ctx: WriterContext) -> list[FileSlice] | None:
-    """Source byte ranges that become the unit's output tensors unchanged, or None (needs decoding)."""
-    if ctx.facts.source_quant != "mxfp4" and spec.kind != "passthrough":
-        return None
-    names = target.direct_sources(spec, ctx)
-    if names is None:
-        return None
-    outs = target.out_specs(spec, ctx)
-    refs = [ckpt.tensors[n] for n in names]
-    if len(refs) != len(outs) or any(r.dtype != o.dtype or r.nbytes != o.nbytes
-                                     for r, o in zip(refs, outs, strict=True)):
-        return None
-    # E8M0 0xFF (NaN) is invalid input even when only copied: the writer's hasher, which reads every
-    # copied byte anyway, checks these slices (no separate pass over the scales)
-    return [FileSlice(r.file, r.begin, r.nbytes, r.name,
-                      e8m0=spec.kind != "passthrough" and r.dtype == "U8" and r.name.endswith(("weight_scale", "_scales")))
-            for r in refs]

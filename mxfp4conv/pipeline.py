@@ -1,7 +1,8 @@
 """``convert``: resolve -> detect -> validate -> plan -> (dry run) -> stream units -> verify -> publish.
 
 No click, no rich, no print: progress goes through the ``on_progress(bytes_done, bytes_total)``
-callback and the result is a ``ConvertReport``.
+callback and the result is a ``ConvertReport``. The shards are written by a ``Conversion``
+(``conversion.py``) from the plan ``job.prepare`` made (``plan.py``).
 """
 
 from __future__ import annotations
@@ -9,65 +10,35 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import heapq
 import json
-import shutil
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch
+from typing import Any
 
 from mxfp4conv import __version__
 from mxfp4conv.check import InlineVerifier, check_structure
-from mxfp4conv.errors import OutputError, StagingError, UsageError
+from mxfp4conv.conversion import Conversion, Progress
+from mxfp4conv.errors import OutputError, UsageError
 from mxfp4conv.inspect import SCHEMA_VERSION
 from mxfp4conv.io.atomic import check_destination, publish, remove_tree, staging_path
-from mxfp4conv.io.checkpoint import PICKLE_SUFFIXES, Checkpoint
-from mxfp4conv.io.safetensors_io import (
-    BATCH_BYTES,
-    CheckRange,
-    FileSlice,
-    ShardStream,
-    st_dtype,
-)
+from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.job import (  # re-exported: the options and helpers callers know from here
     GB,
     ConvertOptions,
     Job,
     cpu_kernel,
     devices,
-    direct_slices,
     needs_device,
     prepare,
     resolve_device,
 )
-from mxfp4conv.layouts.base import Plan
-from mxfp4conv.staging import (
-    PROGRESS_GLOB,
-    SHARD_WINDOW,
-    ShardFinisher,
-    json_bytes,
-    prepare_staging,
-    progress_file,
-    reuse,
-    sha256_file,
-)
-from mxfp4conv.units import UnitResult, read_ahead, read_sizes, unit_results
-from mxfp4conv.writers import OutTensor, Target, WriterContext
-from mxfp4conv.writers.base import UnitSpec
+from mxfp4conv.manifest import MANIFEST, Manifest
+from mxfp4conv.staging import PROGRESS_GLOB, json_bytes, prepare_staging, sha256_file
 
-__all__ = ["GB", "MANIFEST", "ConvertOptions", "ConvertReport", "Job", "convert", "cpu_kernel", "devices",
-           "direct_slices", "prepare", "read_ahead", "read_sizes", "resolve_device"]
-
-MANIFEST = "mxfp4conv.json"
-_SKIP_FILES = {"config.json", "model.safetensors.index.json", "hf_quant_config.json", MANIFEST}
-
-Progress = Callable[[int, int], None]
+__all__ = ["GB", "MANIFEST", "ConvertOptions", "ConvertReport", "Job", "Progress", "convert", "cpu_kernel", "devices",
+           "prepare", "resolve_device"]
 
 
 @dataclass
@@ -98,15 +69,6 @@ class ConvertReport:
         return d
 
 
-@dataclass
-class _ShardPlan:
-    folder: str  # "" or "rank-N"
-    file: str
-    units: list[UnitSpec] = field(default_factory=list)
-    tensors: list[OutTensor] = field(default_factory=list)
-    nbytes: int = 0
-
-
 def source_fingerprint(ckpt: Checkpoint) -> dict[str, Any]:
     """Hashes identifying the source: full sha256 of JSON files, header sha256 + size of shards."""
     out: dict[str, Any] = {}
@@ -119,25 +81,6 @@ def source_fingerprint(ckpt: Checkpoint) -> dict[str, Any]:
             head = fh.read(n)
         out[ckpt.rel(f)] = {"size": f.stat().st_size, "header_sha256": hashlib.sha256(head).hexdigest()}
     return out
-
-
-def plan_shards(target: Target, ctx: WriterContext, plan: Plan, max_bytes: int, folder: str) -> list[_ShardPlan]:
-    """Whole units per shard, in plan order; a new shard starts when the next unit would overflow."""
-    shards: list[_ShardPlan] = []
-    cur: _ShardPlan | None = None
-    for spec in plan.units:
-        outs = target.out_specs(spec, ctx)
-        size = sum(t.nbytes for t in outs)
-        if cur is None or (cur.tensors and cur.nbytes + size > max_bytes):
-            cur = _ShardPlan(folder, "")
-            shards.append(cur)
-        cur.units.append(spec)
-        cur.tensors.extend(outs)
-        cur.nbytes += size
-    n = len(shards)
-    for i, s in enumerate(shards):
-        s.file = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-    return shards
 
 
 def check_hasher() -> None:
@@ -158,152 +101,6 @@ def check_hasher() -> None:
 REQUANT_NUMERICS = 2
 
 
-def interleave(sizes: list[list[int]]) -> list[tuple[int, int]]:
-    """The production order of shards written at once, as (shard, unit) pairs: each shard's units in
-    their order, and next always the shard with the smallest share of its bytes produced (ties: the
-    lower index), so that the shards grow together and finish together. ``sizes``: each shard's
-    units' output bytes."""
-    totals = [max(1, sum(s)) for s in sizes]
-    heap = [(0.0, i) for i, s in enumerate(sizes) if s]
-    heapq.heapify(heap)
-    made = [0] * len(sizes)
-    nxt = [0] * len(sizes)
-    order: list[tuple[int, int]] = []
-    while heap:
-        _, i = heapq.heappop(heap)
-        k = nxt[i]
-        order.append((i, k))
-        made[i] += sizes[i][k]
-        nxt[i] += 1
-        if nxt[i] < len(sizes[i]):
-            heapq.heappush(heap, (made[i] / totals[i], i))
-    return order
-
-
-def windows(n: int, most: int) -> list[range]:
-    """``n`` shards in consecutive groups of at most ``most``, as even as possible (7 by 4: 4 + 3), so
-    that the last group also has several shards whose sha256s run in parallel."""
-    if n <= 0:
-        return []
-    count = -(-n // most)
-    base, extra = divmod(n, count)
-    out: list[range] = []
-    start = 0
-    for g in range(count):
-        size = base + (1 if g < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
-
-
-@dataclass
-class _OpenShard:
-    """A shard of the window being produced: its plan, where it is written, its stream, the requant
-    statistics of its units and how many of its units are fed."""
-
-    plan: _ShardPlan
-    rel: str
-    path: Path
-    stream: ShardStream
-    stats: dict[str, Any] = field(default_factory=dict)
-    fed: int = 0
-
-
-def _unit_items(spec: UnitSpec, res: UnitResult, job: Job, ctx: WriterContext, verifier: InlineVerifier | None,
-                path: Path) -> tuple[list[torch.Tensor | FileSlice | CheckRange], int]:
-    """A unit's items for its shard's stream (its outputs, then, with ``verifier``, the check of their
-    bytes, run once they are written) and its output bytes."""
-    expect = job.target.out_specs(spec, ctx)
-    items: list[torch.Tensor | FileSlice | CheckRange] = []
-    nbytes = 0
-    for o, t in zip(expect, res.outs, strict=True):
-        if isinstance(t, FileSlice):
-            nbytes += t.length
-            items.append(t)
-            continue
-        if st_dtype(t.dtype) != o.dtype or tuple(t.shape) != o.shape:
-            raise AssertionError(f"{o.name}: encoded {st_dtype(t.dtype)}{list(t.shape)}, planned {o.dtype}{list(o.shape)}")
-        nbytes += t.numel() * t.element_size()
-        items.append(t)
-    if verifier is not None:
-        if res.want is None:
-            items.append(verifier.copied(expect, res.outs, path, nbytes))
-        else:
-            items.append(verifier.decoded(job.target.slice_for_rank(res.want, spec, ctx), spec, ctx, path))
-    return items, nbytes
-
-
-def _write_window(todo: list[tuple[_ShardPlan, str, Path]], job: Job, ctx: WriterContext, report: ConvertReport,
-                  on_progress: Progress | None, done: list[int], total: int, verifier: InlineVerifier | None,
-                  fin: ShardFinisher, last: list[tuple[ShardStream, int] | None]) -> None:
-    """Produce a window of shards at once, their units interleaved (``interleave``); each shard is
-    handed to ``fin`` (hash, checks and fsync finishing on its threads) once its last unit is queued.
-    A unit's outputs may be views of one buffer (the GPU path's requant results), which lives until
-    its last byte is written: so units are handed over whole, and a unit with computed outputs is
-    produced only once the one before the previous is written (``last``: the previous one's stream
-    and end, carried from window to window)."""
-    target = job.target
-    sizes = [[sum(t.nbytes for t in target.out_specs(u, ctx)) for u in plan.units] for plan, _, _ in todo]
-    order = interleave(sizes)
-    opened: list[_OpenShard] = []
-    try:
-        for plan, rel, path in todo:
-            remove_tree(path)
-            stream = ShardStream(path, [(t.name, t.dtype, t.shape) for t in plan.tensors], target.shard_metadata(ctx),
-                                 fin.budget)
-            opened.append(_OpenShard(plan, rel, path, stream))
-        specs = [opened[i].plan.units[k] for i, k in order]
-        for (i, _), spec, res in zip(order, specs, unit_results(specs, job, ctx, verifier is not None), strict=True):
-            sh = opened[i]
-            report.requant_stats.update(res.stats)
-            sh.stats.update(res.stats)
-            if res.device:
-                report.requantized_on[res.device] = report.requantized_on.get(res.device, 0) + 1
-            report.seconds["read"] = report.seconds.get("read", 0.0) + res.t_read
-            report.seconds["transform"] = report.seconds.get("transform", 0.0) + res.t_transform
-            items, nbytes = _unit_items(spec, res, job, ctx, verifier, sh.path)
-            computed = any(not isinstance(t, FileSlice) for t in res.outs)
-            del res
-            for item in items:
-                sh.stream.feed(item)
-            del items
-            end = sh.stream.flush()
-            if computed:
-                # at most two units' computed outputs alive (in host memory, or on the GPU until
-                # written), however many files are written at once: the previous one is written
-                # before the next is produced
-                if last[0] is not None:
-                    last[0][0].wait_written(last[0][1])
-                last[0] = (sh.stream, end)
-            sh.fed += 1
-            if sh.fed == len(sh.plan.units):
-                fin.pending.append((sh.rel, sh.stream.finish(), sh.stats))
-            done[0] += nbytes
-            if on_progress:
-                on_progress(done[0], total)
-        for sh in opened:
-            if not sh.plan.units:  # a shard of no units (never planned today): header only
-                fin.pending.append((sh.rel, sh.stream.finish(), sh.stats))
-    except BaseException:
-        finished = {rel for rel, _, _ in fin.pending}
-        for sh in opened:
-            if sh.rel not in finished:
-                sh.stream.abort()
-        raise
-
-
-def _copy_extras(src: Path, dst: Path, drop_hqc: bool) -> list[str]:
-    copied = []
-    for p in sorted(src.iterdir()):
-        if not p.is_file() or p.name in _SKIP_FILES or p.suffix == ".safetensors" or p.suffix in PICKLE_SUFFIXES:
-            continue
-        shutil.copyfile(p, dst / p.name)
-        copied.append(p.name)
-    if not drop_hqc and (src / "hf_quant_config.json").exists():
-        shutil.copyfile(src / "hf_quant_config.json", dst / "hf_quant_config.json")
-    return copied
-
-
 def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress: Progress | None = None) -> ConvertReport:
     """Convert SRC into DST (see module docstring). Raises ``ConvertError`` subclasses."""
     t_start = time.perf_counter()
@@ -315,13 +112,10 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
     job = prepare(src, opts)
     if needs_device(job.ctx) and not early:
         _start_device(opts)
-    shard_plans = [(folder, rctx, plan_shards(job.target, rctx, job.plan, opts.max_shard_size, folder))
-                   for _, folder, rctx in job.rank_contexts()]
-    return _convert(src, Path(dst), job, shard_plans, t_start, on_progress)
+    return _convert(src, Path(dst), job, t_start, on_progress)
 
 
-def _convert(src: str | Path, dst: Path, job: Job, shard_plans: list[tuple[str, WriterContext, list[_ShardPlan]]],
-             t_start: float, on_progress: Progress | None) -> ConvertReport:
+def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: Progress | None) -> ConvertReport:
     """``convert`` once SRC is planned: options resolved, then skip / dry run / write, prove, publish."""
     opts, ctx, plan, target = job.opts, job.ctx, job.plan, job.target
     opts = dataclasses.replace(opts, device=resolve_device(opts.device, needs_device(ctx)))
@@ -345,7 +139,7 @@ def _convert(src: str | Path, dst: Path, job: Job, shard_plans: list[tuple[str, 
     if not opts.dry_run:
         check_hasher()
     check_destination(job.ckpt.root, dst, overwrite=opts.overwrite or opts.skip_if_current)
-    _fill_plan_report(report, plan, target, ctx, shard_plans)
+    _fill_plan_report(report, job)
     if opts.dry_run:
         report.seconds["total"] = time.perf_counter() - t_start
         return report
@@ -355,7 +149,8 @@ def _convert(src: str | Path, dst: Path, job: Job, shard_plans: list[tuple[str, 
     keep_staging = opts.resume or opts.partition is not None or opts.finish
     verifier = InlineVerifier(target, str(src), str(dst)) if opts.verify else None
     try:
-        outputs, reused = _write_all(job, shard_plans, staging, report, on_progress, (finished, fingerprint), verifier)
+        run = Conversion(job, staging, report, fingerprint, verifier, on_progress)
+        outputs = run.write(finished)
         if opts.partition is not None:
             report.status = "partial"
             report.seconds["total"] = time.perf_counter() - t_start
@@ -364,7 +159,7 @@ def _convert(src: str | Path, dst: Path, job: Job, shard_plans: list[tuple[str, 
             p.unlink()
         if verifier is not None:
             t0 = time.perf_counter()
-            if reused:  # shards of an earlier run (--resume, --finish): proven again, in full
+            if run.reused:  # shards of an earlier run (--resume, --finish): proven again, in full
                 from mxfp4conv.verify import verify_output
 
                 report.verify = verify_output(job.ckpt.root, staging, job=job).to_dict()
@@ -372,12 +167,13 @@ def _convert(src: str | Path, dst: Path, job: Job, shard_plans: list[tuple[str, 
                 check_structure(verifier, job, staging)
                 report.verify = verifier.report()
             report.seconds["verify"] = report.seconds.get("verify", 0.0) + time.perf_counter() - t0
-        manifest = {"schema_version": SCHEMA_VERSION, "tool": "mxfp4conv", "version": __version__,
-                    "source": {"name": Path(str(src)).name, "repo_id": job.ckpt.repo_id, "revision": job.ckpt.revision,
-                               "layout": plan.layout, "files": fingerprint["source"]},
-                    "target": target.NAME, "options": opts.fingerprint_dict() | {"device_independent": True},
-                    "fingerprint": fingerprint, "outputs": outputs, "requant_stats": report.requant_stats,
-                    "verified": bool(report.verify and report.verify.get("ok"))}
+        manifest: Manifest = {
+            "schema_version": SCHEMA_VERSION, "tool": "mxfp4conv", "version": __version__,
+            "source": {"name": Path(str(src)).name, "repo_id": job.ckpt.repo_id, "revision": job.ckpt.revision,
+                       "layout": plan.layout, "files": fingerprint["source"]},
+            "target": target.NAME, "options": opts.fingerprint_dict() | {"device_independent": True},
+            "fingerprint": fingerprint, "outputs": outputs, "requant_stats": report.requant_stats,
+            "verified": bool(report.verify and report.verify.get("ok"))}
         (staging / MANIFEST).write_bytes(json_bytes(manifest))
         publish(staging, dst)
     except OutputError:
@@ -433,85 +229,13 @@ def _ordinals(opts: ConvertOptions) -> list[int] | None:
     return [int(n[5:]) for n in names if n[5:].isdigit()]
 
 
-def _fill_plan_report(report: ConvertReport, plan: Plan, target: Target, ctx: WriterContext,
-                      shard_plans: list[tuple[str, WriterContext, list[_ShardPlan]]]) -> None:
-    kinds = [u.kind for u in plan.units]
+def _fill_plan_report(report: ConvertReport, job: Job) -> None:
+    """What the plan says the conversion writes (a dry run reports this alone)."""
+    kinds = [u.kind for u in job.plan.units]
     report.fused_layers = kinds.count("moe")
     report.passthrough = kinds.count("passthrough")
-    report.requantized = 0 if plan.facts.source_quant == "mxfp4" or ctx.target_options.keep_nvfp4 else (
-        kinds.count("moe") + kinds.count("dense"))
-    report.renamed = sum(len(target.out_specs(u, ctx)) for u in plan.units if u.kind != "passthrough")
-    for folder, _, shards in shard_plans:
-        for s in shards:
-            report.shards.append({"file": f"{folder}/{s.file}" if folder else s.file, "bytes": s.nbytes,
-                                  "tensors": len(s.tensors), "units": len(s.units)})
-
-
-def _write_all(job: Job, shard_plans: list[tuple[str, WriterContext, list[_ShardPlan]]], staging: Path,
-               report: ConvertReport, on_progress: Progress | None,
-               resume: tuple[dict[str, dict[str, Any]], dict[str, Any]],
-               verifier: InlineVerifier | None) -> tuple[dict[str, str], bool]:
-    """Write every shard (or this partition's) into ``staging``: (sha256 per output file, whether a
-    finished shard of an earlier run was reused)."""
-    finished, fingerprint = resume
-    opts, ckpt, target = job.opts, job.ckpt, job.target
-    outputs: dict[str, str] = {}
-    fin = ShardFinisher(progress_file(staging, opts), fingerprint, report, outputs)
-    total = sum(s.nbytes for _, _, shards in shard_plans for s in shards)
-    if job.needs_device and devices(opts)[0].startswith("cuda"):
-        # GPU outputs are produced far faster than the disk takes them: a unit's worth queued keeps
-        # the writer busy; outputs written from the GPU (io/device_write) hold none of this budget
-        fin.budget.limit = max(BATCH_BYTES, max((sum(t.nbytes for t in target.out_specs(u, rctx)) for _, rctx, shards
-                                                 in shard_plans for sh in shards for u in sh.units), default=0))
-    done = [0]
-    reused = False
-    last: list[tuple[ShardStream, int] | None] = [None]
-    try:
-        j = -1
-        for folder, rctx, shards in shard_plans:
-            out_dir = staging / folder if folder else staging
-            out_dir.mkdir(exist_ok=True)
-            wmap: dict[str, str] = {}
-            todo: list[tuple[_ShardPlan, str, Path]] = []  # shards this run writes, in order
-            for shard in shards:
-                j += 1
-                rel = f"{folder}/{shard.file}" if folder else shard.file
-                wmap.update(dict.fromkeys((t.name for t in shard.tensors), shard.file))
-                if opts.partition is not None and j % opts.partition[1] != opts.partition[0]:
-                    continue
-                path = out_dir / shard.file
-                rec = finished.get(rel)
-                if reuse(path, rec):
-                    assert rec is not None
-                    outputs[rel] = rec["sha256"]
-                    report.requant_stats.update(rec.get("stats", {}))
-                    done[0] += shard.nbytes
-                    fin.mine[rel] = rec
-                    reused = True
-                    continue
-                if opts.finish:
-                    raise StagingError(f"shard {rel} is missing or damaged in the staging folder",
-                                     hint="rerun the --partition i/n conversion that owns it (shard index mod n)")
-                todo.append((shard, rel, path))
-            for group in windows(len(todo), SHARD_WINDOW):
-                _write_window([todo[g] for g in group], job, rctx, report, on_progress, done, total, verifier, fin, last)
-                fin.settle(len(group))  # the previous window's shards, whose hash and fsync overlapped this one
-            fin.settle()
-            if opts.partition is not None:
-                continue
-            if len(shards) > 1:
-                index = {"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": dict(sorted(wmap.items()))}
-                (out_dir / "model.safetensors.index.json").write_bytes(json_bytes(index))
-            (out_dir / "config.json").write_bytes(json_bytes(target.config(ckpt.config, rctx)))
-            _copy_extras(ckpt.root, out_dir, drop_hqc=job.plan.layout != "modelopt-nvfp4" or not rctx.target_options.keep_nvfp4)
-            for p in sorted(out_dir.iterdir()):
-                rel = f"{folder}/{p.name}" if folder else p.name
-                if p.is_file() and rel not in outputs and not p.name.startswith(".mxfp4conv-progress"):
-                    outputs[rel] = sha256_file(p)
-    except BaseException:
-        fin.drain()  # never leave a writer running into a folder that is about to be removed
-        raise
-    for key, secs in fin.budget.seconds.items():
-        report.seconds[key] = report.seconds.get(key, 0.0) + secs
-    report.bytes_written = done[0]
-    return dict(sorted(outputs.items())), reused
+    report.requantized = (kinds.count("moe") + kinds.count("dense")) if needs_device(job.ctx) else 0
+    first = job.output.ranks[0]
+    report.renamed = sum(len(u.outs) for s in first.shards for u in s.units if u.spec.kind != "passthrough")
+    for _, s in job.output.shards():
+        report.shards.append({"file": s.rel, "bytes": s.nbytes, "tensors": len(s.tensors), "units": len(s.units)})

@@ -73,7 +73,7 @@ def reuse(path: Path, rec: dict[str, Any] | None) -> bool:
     return bool(rec) and path.is_file() and sha256_file(path) == rec["sha256"]  # type: ignore[index]
 
 
-# Shards produced at once, their units interleaved so that they grow together (pipeline.interleave).
+# Shards produced at once, their units interleaved so that they grow together (conversion.interleave).
 # A shard's sha256 runs on one core (~1-1.3 GB/s on an H200 host), slower than that host's disk takes
 # the output: one shard at a time, its hash fell behind and the last shard's finished seconds after
 # the last byte was written. Four files hashed in parallel keep up with a disk of ~4 GB/s, and their hashers
@@ -87,11 +87,9 @@ class ShardFinisher:
     (``pending``), their queued bytes under one budget. A shard is recorded as finished
     (in the progress file that --resume reads) only once its digest is known."""
 
-    def __init__(self, progress_path: Path, fingerprint: dict[str, Any], report: Any,
-                 outputs: dict[str, str]) -> None:
+    def __init__(self, progress_path: Path, fingerprint: dict[str, Any], outputs: dict[str, str]) -> None:
         self.progress_path = progress_path
         self.fingerprint = fingerprint
-        self.report = report
         self.outputs = outputs
         self.mine: dict[str, dict[str, Any]] = {}
         self.budget = InflightBudget()

@@ -19,12 +19,12 @@ from mxfp4conv.canonical import Canonical, FP4Weight
 from mxfp4conv.canonicalize import to_mxfp4
 from mxfp4conv.errors import InputError
 from mxfp4conv.io.checkpoint import Checkpoint
-from mxfp4conv.io.safetensors_io import FileSlice
-from mxfp4conv.job import Job, devices, direct_slices, needs_device
+from mxfp4conv.job import Job, devices, needs_device
+from mxfp4conv.plan import PlannedUnit
 from mxfp4conv.writers import WriterContext
 from mxfp4conv.writers.base import UnitSpec
 
-__all__ = ["UnitResult", "read_ahead", "read_onto", "read_sizes", "requant_on_device", "unit_results"]
+__all__ = ["UnitResult", "read_ahead", "read_onto", "requant_on_device", "unit_results"]
 
 
 @dataclass
@@ -38,18 +38,17 @@ class UnitResult:
     device: str = ""  # where the unit was requantized ("" when it was not)
 
 
-def _read(spec: UnitSpec, job: Job, ctx: WriterContext, device: str = "cpu") -> tuple[Any, float]:
+def _read(unit: PlannedUnit, job: Job, ctx: WriterContext, device: str = "cpu") -> tuple[Any, float]:
     """A unit's source: the byte ranges of a pure rename (never decoded), or its canonical form
     (NVFP4 stacks bound for a GPU requant are read onto the device, when they fit there)."""
     t0 = time.perf_counter()
-    slices = direct_slices(spec, job.ckpt, job.target, ctx)
-    if slices is not None:
-        return slices, time.perf_counter() - t0
-    onto = read_onto(spec, job.ckpt, device) if needs_device(ctx) else None
-    return job.layout.read(job.ckpt, spec, device=onto), time.perf_counter() - t0
+    if unit.direct is not None:
+        return list(unit.direct), 0.0
+    onto = read_onto(unit, device) if needs_device(ctx) else None
+    return job.layout.read(job.ckpt, unit.spec, device=onto), time.perf_counter() - t0
 
 
-def read_onto(spec: UnitSpec, ckpt: Checkpoint, device: str) -> str | None:
+def read_onto(unit: PlannedUnit, device: str) -> str | None:
     """The CUDA device a unit bound for a GPU requant is read onto: ``device`` once CUDA has started
     there and the unit fits (``requant.fits_on_device``), else None (host memory: the requant moves
     it, the same bytes). Before CUDA has started (on a helper thread meanwhile) the first units are
@@ -62,13 +61,14 @@ def read_onto(spec: UnitSpec, ckpt: Checkpoint, device: str) -> str | None:
 
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return None
-    return device if fits_on_device(read_sizes([spec], [None], ckpt)[0], device) else None
+    return device if fits_on_device(unit.read_bytes, device) else None
 
 
-def _transform(spec: UnitSpec, job: Job, ctx: WriterContext, device: str, check: bool,
+def _transform(planned: PlannedUnit, job: Job, ctx: WriterContext, device: str, check: bool,
                source: tuple[Any, float] | None = None) -> UnitResult:
     """Read one unit (unless ``source`` holds it already), requantize it if needed, encode it."""
-    unit, t_read = source if source is not None else _read(spec, job, ctx, device)
+    unit, t_read = source if source is not None else _read(planned, job, ctx, device)
+    spec = planned.spec
     if isinstance(unit, list):  # a pure rename: bytes are copied by the writer
         return UnitResult(unit, {}, t_read, 0.0)
     if device.startswith("cuda"):
@@ -126,13 +126,6 @@ def requant_on_device(unit: Canonical, rule: str, device: str) -> Canonical:
     return dataclasses.replace(unit, **changes)
 
 
-def read_sizes(units: list[UnitSpec], direct: list[list[FileSlice] | None], ckpt: Checkpoint) -> list[int]:
-    """Bytes each unit's read holds in memory: its source tensors', or 0 when the writer copies them
-    (``direct``: each unit's ``direct_slices``)."""
-    return [0 if d is not None else sum(ckpt.tensors[n].nbytes for n in spec.sources if n in ckpt.tensors)
-            for spec, d in zip(units, direct, strict=True)]
-
-
 def read_ahead(sizes: list[int], limit: int) -> list[int]:
     """The single-device read-ahead schedule: for each unit i, how many units (from the first) have
     been submitted for reading once i is the current one. Always i + 1, and more while the bytes of
@@ -153,28 +146,27 @@ def read_ahead(sizes: list[int], limit: int) -> list[int]:
     return upto
 
 
-def unit_results(units: list[UnitSpec], job: Job, ctx: WriterContext, check: bool) -> Iterator[UnitResult]:
+def unit_results(units: list[PlannedUnit], job: Job, ctx: WriterContext, check: bool) -> Iterator[UnitResult]:
     """The units' results in order (see the module docstring)."""
     devs = devices(job.opts)
     if len(devs) == 1:
-        direct = [direct_slices(spec, job.ckpt, job.target, ctx) for spec in units]
-        sizes = read_sizes(units, direct, job.ckpt)
+        sizes = [u.read_bytes for u in units]
         upto = read_ahead(sizes, max(sizes, default=0))
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp4conv-read") as reader:
             ahead: dict[int, Future[tuple[Any, float]]] = {}
             nxt = 0
-            for i, spec in enumerate(units):
+            for i, unit in enumerate(units):
                 while nxt < upto[i]:
-                    if direct[nxt] is None:
+                    if units[nxt].direct is None:
                         ahead[nxt] = reader.submit(_read, units[nxt], job, ctx, devs[0])
                     nxt += 1
-                source = ahead.pop(i).result() if direct[i] is None else (direct[i], 0.0)
-                yield _transform(spec, job, ctx, devs[0], check, source)
+                source = ahead.pop(i).result() if unit.direct is None else (list(unit.direct), 0.0)
+                yield _transform(unit, job, ctx, devs[0], check, source)
         return
     with ThreadPoolExecutor(max_workers=len(devs), thread_name_prefix="mxfp4conv-unit") as pool:
         window: deque[Future[UnitResult]] = deque()
-        for i, spec in enumerate(units):
-            window.append(pool.submit(_transform, spec, job, ctx, devs[i % len(devs)], check))
+        for i, unit in enumerate(units):
+            window.append(pool.submit(_transform, unit, job, ctx, devs[i % len(devs)], check))
             if len(window) >= len(devs):
                 yield window.popleft().result()
         while window:

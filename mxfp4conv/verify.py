@@ -29,18 +29,22 @@ from mxfp4conv.job import (
     ConvertOptions,
     Job,
     cpu_kernel,
-    direct_slices,
     needs_device,
     prepare,
     resolve_device,
 )
+from mxfp4conv.manifest import MANIFEST
+from mxfp4conv.writers.base import TargetOptions
 
 if TYPE_CHECKING:
-    from mxfp4conv.layouts.base import Plan
+    from collections.abc import Callable
+
+    from mxfp4conv.plan import RankPlan
     from mxfp4conv.writers import Target, WriterContext
+    from mxfp4conv.writers.base import UnitSpec
 
 __all__ = ["VerifyReport", "compare_units", "first_difference", "first_range_difference", "planned_mismatches",
-           "verify_output"]
+           "prove_unit", "verify_output"]
 
 MAX_SHOWN = 5
 
@@ -156,13 +160,22 @@ def first_range_difference(src: Path, src_pos: int, fd: int, pos: int, length: i
     return None
 
 
-def planned_mismatches(out: Checkpoint, plan: Plan, target: Target, rctx: WriterContext) -> list[dict[str, Any]]:
-    """How an output folder differs from the plan: unexpected, missing, other dtype or shape of a tensor,
-    and any module its config.json would make the runtime build otherwise than the source meant it."""
+def prove_unit(target: Target, want: Canonical, spec: UnitSpec, rctx: WriterContext,
+               get: Callable[[str], torch.Tensor]) -> list[dict[str, Any]]:
+    """How the written unit (its tensors by name through ``get``) differs from ``want``, what SRC yields:
+    the target's own proof where its bytes do not decode uniquely, else its ``decode`` compared byte for
+    byte. The one proof of a decoded unit, for ``convert``'s inline check and for ``verify``."""
+    found = target.verify_unit(want, spec, rctx, get)
+    return found if found is not None else compare_units(want, target.decode(spec, rctx, get))
+
+
+def planned_mismatches(out: Checkpoint, rank: RankPlan) -> list[dict[str, Any]]:
+    """How an output folder differs from the rank's plan: unexpected, missing, other dtype or shape of a
+    tensor, and any module its config.json would make the runtime build otherwise than the source meant it."""
     from mxfp4conv.resolve import config_proof
 
-    found: list[dict[str, Any]] = list(config_proof(out.config, rctx))
-    planned = {t.name: t for u in plan.units for t in target.out_specs(u, rctx)}
+    found: list[dict[str, Any]] = list(config_proof(out.config, rank.ctx))
+    planned = {t.name: t for s in rank.shards for t in s.tensors}
     for name in sorted(set(out.tensors) - set(planned))[:MAX_SHOWN]:
         found.append({"tensor": name, "message": "unexpected tensor in output"})
     for name, t in planned.items():
@@ -176,9 +189,9 @@ def planned_mismatches(out: Checkpoint, plan: Plan, target: Target, rctx: Writer
 
 
 def _manifest(dst: Path) -> dict[str, Any]:
-    path = dst / "mxfp4conv.json"
+    path = dst / MANIFEST
     if not path.exists():
-        raise InputError("no mxfp4conv.json manifest: DST was not written by mxfp4conv convert", file=str(path),
+        raise InputError(f"no {MANIFEST} manifest: DST was not written by mxfp4conv convert", file=str(path),
                          hint="run mxfp4conv convert first, or pass the folder it wrote")
     try:
         data = json.loads(path.read_text())
@@ -197,24 +210,23 @@ def verify_output(src: str | Path, dst: str | Path, *, manifest_opts: ConvertOpt
             m = _manifest(dst)
             o = m.get("options", {})
             manifest_opts = ConvertOptions(target=m.get("target", "auto"), scale_rule=o.get("scale_rule", "mse"),
-                                           extra=dict(o.get("extra", {})), device=device)
+                                           target_options=TargetOptions.parse(dict(o.get("extra", {}))), device=device)
         job = prepare(src, manifest_opts)
-    ckpt, layout, plan, target, ctx = job.ckpt, job.layout, job.plan, job.target, job.ctx
+    ckpt, layout, target, ctx = job.ckpt, job.layout, job.target, job.ctx
     opts = dataclasses.replace(job.opts, device=resolve_device(job.opts.device, needs_device(ctx)))
     cpu_kernel(opts.device, needs_device(ctx))  # a bad MXFP4CONV_CPU_KERNEL fails here, in one line
     report = VerifyReport(str(src), str(dst), target.NAME)
-    for _, folder, rctx in job.rank_contexts():
-        out = open_checkpoint(dst / folder if folder else dst)
-        report.mismatches += planned_mismatches(out, plan, target, rctx)
+    for rank in job.output.ranks:
+        out = open_checkpoint(dst / rank.folder if rank.folder else dst)
+        report.mismatches += planned_mismatches(out, rank)
         if report.mismatches:
             break
-        for spec in plan.units:
-            slices = direct_slices(spec, ckpt, target, rctx)
-            if slices is not None:  # a rename: compare raw byte ranges, no decoding
-                outs = target.out_specs(spec, rctx)
-                report.units += 1
-                report.tensors += len(outs)
-                for o, src_slice in zip(outs, slices, strict=True):
+        rctx = rank.ctx
+        for unit in (u for shard in rank.shards for u in shard.units):
+            report.units += 1
+            report.tensors += len(unit.outs)
+            if unit.direct is not None:  # a rename: compare raw byte ranges, no decoding
+                for o, src_slice in zip(unit.outs, unit.direct, strict=True):
                     at = first_difference(src_slice, out.tensors[o.name])
                     if at is not None:
                         report.mismatches.append({"tensor": o.name, "message": f"bytes differ from the source, "
@@ -224,20 +236,16 @@ def verify_output(src: str | Path, dst: str | Path, *, manifest_opts: ConvertOpt
             if needs_device(ctx):
                 from mxfp4conv.units import read_onto
 
-                onto = read_onto(spec, ckpt, opts.device)  # NVFP4 stacks read onto the GPU that requantizes them
-            want = layout.read(ckpt, spec, device=onto)
+                onto = read_onto(unit, opts.device)  # NVFP4 stacks read onto the GPU that requantizes them
+            want = layout.read(ckpt, unit.spec, device=onto)
             if not ctx.target_options.keep_nvfp4:
                 want, _ = to_mxfp4(want, rule=opts.scale_rule, device=opts.device)
-            want = target.slice_for_rank(want, spec, rctx)
+            want = target.slice_for_rank(want, unit.spec, rctx)
 
             def getter(n: str, out: Any = out) -> torch.Tensor:
                 return out.tensors[n].load()
 
-            report.units += 1
-            report.tensors += len(target.out_specs(spec, rctx))
-            custom = getattr(target, "verify_unit", None)
-            found = custom(want, spec, rctx, getter) if custom else None
-            report.mismatches.extend(found if found is not None else compare_units(want, target.decode(spec, rctx, getter)))
+            report.mismatches.extend(prove_unit(target, want, unit.spec, rctx, getter))
             if len(report.mismatches) >= MAX_SHOWN:
                 break
     if not report.ok and raise_on_failure:

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from mxfp4conv.errors import InputError, UsageError
-from mxfp4conv.job import ConvertOptions, direct_slices, needs_device, prepare, resolve_device
+from mxfp4conv.job import ConvertOptions, needs_device, prepare, resolve_device
+from mxfp4conv.writers.base import TargetOptions
 from tests.builders import build
 
 
@@ -28,28 +29,31 @@ def test_a_target_that_cannot_express_the_source_is_an_input_error(srcs: dict[st
     assert err.value.exit_code == 1
 
 
-def test_rank_contexts_carry_each_rank(tmp_path: Path) -> None:
+def test_the_plan_holds_each_rank(tmp_path: Path) -> None:
     src = build("gpt-oss", tmp_path / "g", hidden=128, inter=128, shards=1)  # I/tp a multiple of 32
-    job = prepare(src, ConvertOptions(target="marlin", extra={"tp_size": "2", "engine": "vllm"}))
-    ranks = job.rank_contexts()
-    assert [(r, folder) for r, folder, _ in ranks] == [(0, "rank-0"), (1, "rank-1")]
-    assert [c.target_options.tp_rank for _, _, c in ranks] == [0, 1]
-    assert all(c.target_options.tp_size == 2 for _, _, c in ranks)
+    job = prepare(src, ConvertOptions(target="marlin", target_options=TargetOptions(tp_size=2)))
+    ranks = job.output.ranks
+    assert [(r.rank, r.folder) for r in ranks] == [(0, "rank-0"), (1, "rank-1")]
+    assert [r.ctx.target_options.tp_rank for r in ranks] == [0, 1]
+    assert all(r.ctx.target_options.tp_size == 2 for r in ranks)
+    assert [s.rel for r in ranks for s in r.shards] == ["rank-0/model.safetensors", "rank-1/model.safetensors"]
 
 
 def test_only_requantizing_jobs_need_a_device(srcs: dict[str, Path]) -> None:
     assert needs_device(prepare(srcs["modelopt-nvfp4"], ConvertOptions(target="ct")).ctx)
     assert not needs_device(prepare(srcs["ct-mxfp4"], ConvertOptions(target="quark")).ctx)
-    keep = ConvertOptions(target="marlin", extra={"tp_size": "1", "engine": "vllm", "keep_nvfp4": "1"})
+    keep = ConvertOptions(target="marlin", target_options=TargetOptions(keep_nvfp4=True))
     assert not needs_device(prepare(srcs["modelopt-nvfp4"], keep).ctx)
 
 
 def test_lossless_units_are_byte_range_copies(srcs: dict[str, Path]) -> None:
     job = prepare(srcs["ct-mxfp4"], ConvertOptions(target="quark"))
-    kinds = {u.kind: direct_slices(u, job.ckpt, job.target, job.ctx) is not None for u in job.plan.units}
-    assert kinds == {"moe": True, "passthrough": True}
+    units = [u for _, s in job.output.shards() for u in s.units]
+    assert {u.spec.kind: u.direct is not None for u in units} == {"moe": True, "passthrough": True}
+    assert all(u.read_bytes == 0 for u in units)
     nv = prepare(srcs["modelopt-nvfp4"], ConvertOptions(target="ct"))
-    assert all(direct_slices(u, nv.ckpt, nv.target, nv.ctx) is None for u in nv.plan.units if u.kind == "moe")
+    moe = [u for _, s in nv.output.shards() for u in s.units if u.spec.kind == "moe"]
+    assert moe and all(u.direct is None and u.read_bytes > 0 for u in moe)
 
 
 def test_devices_resolve_without_a_gpu_or_refuse() -> None:

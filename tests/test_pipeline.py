@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from mxfp4conv import pipeline
+from mxfp4conv import conversion, pipeline
 from mxfp4conv.cli import cli
 from tests.builders import build
 
@@ -300,7 +300,6 @@ def test_failed_partition_keeps_the_others_shards(srcs: dict[str, Path], tmp_pat
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A partition that fails to write (e.g. a full disk) must not delete the staging folder the other
     partitions share (Ray tasks, batch jobs): its rerun and --finish still give the one-run bytes."""
-    import mxfp4conv.pipeline as pipeline
     from mxfp4conv.errors import OutputError
 
     args = [str(srcs["ct-mxfp4"]), "--to", "quark", "--max-shard-size", "30KB"]
@@ -314,7 +313,7 @@ def test_failed_partition_keeps_the_others_shards(srcs: dict[str, Path], tmp_pat
         raise OutputError("cannot write shard: No space left on device", file="x", hint="free disk space")
 
     with monkeypatch.context() as m:
-        m.setattr(pipeline, "ShardStream", full_disk)
+        m.setattr(conversion, "ShardStream", full_disk)
         code, _, err = run("convert", args[0], str(tmp_path / "o"), *args[1:], "--partition", "1/2")
     assert code != 0 and "No space left" in err
     assert {p.name: p.read_bytes() for p in staging.glob("*.safetensors")} == kept  # partition 0's work survives

@@ -5,10 +5,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from mxfp4conv.job import ConvertOptions, direct_slices, prepare
-from mxfp4conv.pipeline import plan_shards
+from mxfp4conv.job import ConvertOptions, prepare
 from mxfp4conv.units import read_ahead as _read_ahead
-from mxfp4conv.units import read_sizes as _read_sizes
 from tests.builders import build
 
 
@@ -19,12 +17,11 @@ def test_the_next_moe_layer_is_read_while_this_one_is_transformed(tmp_path: Path
     and the next layer's read waited for the current layer's transform)."""
     src = build("modelopt-nvfp4", tmp_path / "src", shards=1)
     job = prepare(src, ConvertOptions(target="ct"))
-    ckpt, plan, target, ctx = job.ckpt, job.plan, job.target, job.ctx
-    units = [u for shard in plan_shards(target, ctx, plan, 1 << 40, "") for u in shard.units]
-    sizes = _read_sizes(units, [direct_slices(u, ckpt, target, ctx) for u in units], ckpt)
-    moe = [i for i, u in enumerate(units) if u.kind == "moe"]
+    units = [u for _, shard in job.output.shards() for u in shard.units]
+    sizes = [u.read_bytes for u in units]
+    moe = [i for i, u in enumerate(units) if u.spec.kind == "moe"]
     assert len(moe) == 2 and moe[1] > moe[0] + 1  # pass-through units in between
-    assert all(sizes[i] == 0 for i, u in enumerate(units) if u.kind == "passthrough")
+    assert all(sizes[i] == 0 for i, u in enumerate(units) if u.spec.kind == "passthrough")
     assert all(sizes[i] > 0 for i in moe)
     upto = _read_ahead(sizes, max(sizes))
     assert upto[moe[0]] > moe[1]

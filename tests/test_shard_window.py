@@ -1,4 +1,4 @@
-"""Shards produced in windows, their units interleaved (``pipeline.interleave`` / ``windows``): the
+"""Shards produced in windows, their units interleaved (``conversion.interleave`` / ``windows``): the
 order is a production schedule only, so every output byte equals the one-shard-at-a-time order's."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mxfp4conv import pipeline, staging
+from mxfp4conv import conversion, staging
 from mxfp4conv.cli import cli
+from mxfp4conv.conversion import interleave, windows
 from mxfp4conv.io import safetensors_io as sio
-from mxfp4conv.pipeline import interleave, windows
 from tests.builders import build
 
 
@@ -80,7 +80,7 @@ def test_windows_write_the_bytes_of_one_shard_at_a_time(tmp_path: Path, monkeypa
         m.setattr(sio.ShardStream, "feed", feed)
         _run("convert", str(src), str(tmp_path / "window"), *args)
     with monkeypatch.context() as m:
-        m.setattr(pipeline, "SHARD_WINDOW", 1)
+        m.setattr(conversion, "SHARD_WINDOW", 1)
         _run("convert", str(src), str(tmp_path / "single"), *args)
     got, want = _hashes(tmp_path / "window"), _hashes(tmp_path / "single")
     assert got == want
@@ -103,7 +103,7 @@ def test_at_most_two_units_of_computed_outputs_are_alive(tmp_path: Path, monkeyp
     from mxfp4conv import pipeline as pl
 
     src = build("modelopt-nvfp4", tmp_path / "src", layers=6, shards=3)
-    real_units, real_write, real_bytes = pl.unit_results, sio._BackgroundWriter._write, sio._as_bytes
+    real_units, real_write, real_bytes = conversion.unit_results, sio._BackgroundWriter._write, sio._as_bytes
     held: list[list[weakref.ref[np.ndarray]]] = []  # per unit produced: its buffers handed to the writers
     most = [0]
 
@@ -122,7 +122,7 @@ def test_at_most_two_units_of_computed_outputs_are_alive(tmp_path: Path, monkeyp
         time.sleep(0.02)  # a disk slower than the producer
         real_write(self, raw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(pl, "unit_results", units)
+    monkeypatch.setattr(conversion, "unit_results", units)
     monkeypatch.setattr(sio, "_as_bytes", as_bytes)
     monkeypatch.setattr(sio._BackgroundWriter, "_write", slow_write)
     report = pl.convert(src, tmp_path / "out", pl.ConvertOptions(target="ct", device="cpu", max_shard_size=20_000))

@@ -45,6 +45,7 @@ class Layout(Protocol):
     """An input layout: a module of ``mxfp4conv.layouts`` registered in ``LAYOUTS``."""
 
     NAME: str
+    CONFIG_FILES: tuple[str, ...]  # quantization config files it reads beside config.json
 
     def detect(self, ckpt: Checkpoint) -> list[str] | None:
         """Evidence (config keys, tensor names) if the checkpoint is in this layout, else None."""

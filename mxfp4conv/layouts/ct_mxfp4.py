@@ -13,6 +13,7 @@ from mxfp4conv.layouts.base import Plan, Problem
 from mxfp4conv.layouts.split import LinearRoles, plan_split_layout, read_split_unit
 
 NAME = "ct-mxfp4"
+CONFIG_FILES: tuple[str, ...] = ()
 FORMAT = "mxfp4-pack-quantized"
 ROLES = LinearRoles(packed="weight_packed", scale="weight_scale", scale_dtype="U8", group=32, quant="mxfp4")
 _FUSED = ("gate_up_proj_packed", "gate_up_proj_scale", "down_proj_packed", "down_proj_scale")

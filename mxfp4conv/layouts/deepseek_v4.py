@@ -17,6 +17,7 @@ from mxfp4conv.layouts.split import DEEPSEEK_V4_MXFP4, plan_split_layout, read_s
 from mxfp4conv.precision import Declared
 
 NAME = "deepseek-v4-mxfp4"
+CONFIG_FILES: tuple[str, ...] = ()
 ROLES = DEEPSEEK_V4_MXFP4
 _EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 

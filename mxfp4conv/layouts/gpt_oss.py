@@ -20,6 +20,7 @@ from mxfp4conv.layouts.base import Plan, Problem, config_facts, natural_key
 from mxfp4conv.precision import Declared, fnmatch_to_re
 
 NAME = "gpt-oss"
+CONFIG_FILES: tuple[str, ...] = ()
 _PARTS = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
           "down_proj_blocks", "down_proj_scales", "down_proj_bias")
 

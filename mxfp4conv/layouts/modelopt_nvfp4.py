@@ -20,6 +20,7 @@ from mxfp4conv.layouts.split import DEEPSEEK_V4_MXFP4, LinearRoles, plan_split_l
 from mxfp4conv.precision import Declared, Precision
 
 NAME = "modelopt-nvfp4"
+CONFIG_FILES: tuple[str, ...] = ("hf_quant_config.json",)
 ROLES = LinearRoles(packed="weight", scale="weight_scale", scale_dtype="F8_E4M3", group=16, quant="nvfp4",
                     global_scale="weight_scale_2", global_is_divisor=False, input_scale="input_scale")
 

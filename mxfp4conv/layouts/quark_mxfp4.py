@@ -13,6 +13,7 @@ from mxfp4conv.layouts.base import Plan, Problem, config_facts, expert_names
 from mxfp4conv.layouts.split import LinearRoles, plan_split_layout, read_split_unit
 
 NAME = "quark-mxfp4"
+CONFIG_FILES: tuple[str, ...] = ()
 ROLES = LinearRoles(packed="weight", scale="weight_scale", scale_dtype="U8", group=32, quant="mxfp4")
 
 declared = quark_common.declared

@@ -8,6 +8,7 @@ canonical unit in the same order, ``decode`` maps written tensors back to the ca
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,8 +38,8 @@ class OutTensor(NamedTuple):
 
 @dataclass(frozen=True)
 class TargetOptions:
-    """The target options of a conversion, typed. ``WriterContext.options`` keeps their string form, which
-    is what manifests record (``--skip-if-current`` compares it) and what travels to Ray tasks."""
+    """The target options of a conversion. Their string form (``as_strings``) is what manifests record
+    (``--skip-if-current`` compares it)."""
 
     tp_size: int = 1
     tp_rank: int = 0
@@ -48,7 +49,7 @@ class TargetOptions:
     quark_activations: str | None = None  # "mxfp4" | "none" | None (follow the source's scheme)
 
     def as_strings(self) -> dict[str, str]:
-        """The string form (the command's options; a rank's ``tp_rank`` is added per rank folder)."""
+        """The string form of the command's options (a rank's ``tp_rank`` is the rank folder's)."""
         out = {"tp_size": str(self.tp_size), "engine": self.engine}
         if self.marlin_act != "bf16":
             out["marlin_act"] = self.marlin_act
@@ -60,6 +61,7 @@ class TargetOptions:
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> TargetOptions:
+        """The options from their string form (a manifest's)."""
         return cls(tp_size=int(options.get("tp_size", "1")), tp_rank=int(options.get("tp_rank", "0")),
                    engine=options.get("engine", "vllm"), marlin_act=options.get("marlin_act", "bf16"),
                    keep_nvfp4=options.get("keep_nvfp4") == "1", quark_activations=options.get("quark_activations"))
@@ -73,12 +75,12 @@ class WriterContext:
     layout: str
     units: Sequence[UnitSpec]
     passthrough_dtypes: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
-    options: dict[str, str]  # the string form (see TargetOptions)
+    target_options: TargetOptions = field(default_factory=TargetOptions)
     precision: PrecisionModel = field(default_factory=PrecisionModel)
 
-    @property
-    def target_options(self) -> TargetOptions:
-        return TargetOptions.parse(self.options)
+    def for_rank(self, rank: int) -> WriterContext:
+        """This context for tensor-parallel rank ``rank``."""
+        return dataclasses.replace(self, target_options=dataclasses.replace(self.target_options, tp_rank=rank))
 
 
 class Target:
@@ -88,6 +90,9 @@ class Target:
     # ``encode`` takes a unit whose weights are on a GPU and returns views and device tensors the
     # shard writer copies back itself (``io.device_write``); else GPU results come back to the host first
     ENCODES_ON_DEVICE = False
+    # a MoE unit's ``decode`` reads per-expert names "<key>.<e>.<...>" or fused [E, ...] tensors, so the
+    # proof decodes a group of experts at a time from a narrower spec (names or rows shifted)
+    DECODES_EXPERT_GROUPS = False
 
     def refuse(self, ctx: WriterContext) -> str | None:
         """Why this (source, target) pair makes no sense, or None."""

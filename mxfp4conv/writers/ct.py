@@ -100,6 +100,7 @@ def _complete_ignore(q: dict[str, Any], ctx: WriterContext) -> dict[str, Any]:
 
 class CtTarget(SplitTarget):
     NAME = "ct"
+    DECODES_EXPERT_GROUPS = True
     PACKED = "weight_packed"
 
     def refuse(self, ctx: WriterContext) -> str | None:

@@ -22,6 +22,7 @@ MODULES_TO_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router
 
 class GptOssTarget(Target):
     NAME = "gpt-oss"
+    DECODES_EXPERT_GROUPS = True
     ENCODES_ON_DEVICE = True  # row views and an interleave on the weights' device
 
     def refuse(self, ctx: WriterContext) -> str | None:

@@ -103,6 +103,7 @@ def _kv_refusal(ctx: WriterContext) -> str | None:
 
 class QuarkTarget(SplitTarget):
     NAME = "quark"
+    DECODES_EXPERT_GROUPS = True
     PACKED = "weight"
 
     def refuse(self, ctx: WriterContext) -> str | None:

@@ -9,6 +9,7 @@ import torch
 from mxfp4conv.canonical import FP4Weight, ModelFacts, MoELayer, UnitSpec
 from mxfp4conv.precision import Fp8Linear, PrecisionModel
 from mxfp4conv.writers import WriterContext, get_target
+from mxfp4conv.writers.base import TargetOptions
 from mxfp4conv.writers.gpt_oss import MODULES_TO_NOT_CONVERT
 from tests.writers.helpers import context
 
@@ -19,7 +20,7 @@ FACTS = ModelFacts("gpt_oss", "GptOssForCausalLM", "w4a16", "mxfp4", 2, 4, 64, 3
 
 
 def _ctx(units: list[UnitSpec], precision: PrecisionModel | None = None, layout: str = "ct-mxfp4") -> WriterContext:
-    return WriterContext(FACTS, layout, units, {}, {}, precision or PrecisionModel())
+    return WriterContext(FACTS, layout, units, {}, TargetOptions(), precision or PrecisionModel())
 
 
 def _u8(gen: torch.Generator, *shape: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ import pytest
 from mxfp4conv.canonical import ModelFacts, UnitSpec
 from mxfp4conv.precision import Fp8Linear, PrecisionModel, matches
 from mxfp4conv.writers import WriterContext
+from mxfp4conv.writers.base import TargetOptions
 from mxfp4conv.writers.layers import attention_layers, fp8_groups, precision_refusal, unquantized_entries
 
 EXPERTS = "model.layers.0.mlp.experts"
@@ -20,7 +21,7 @@ def ctx(precision: PrecisionModel, *, dense: tuple[str, ...] = (), model_type: s
     facts = ModelFacts(model_type, "X", "w4a16", "mxfp4", layers, 4, 64, 32)
     units = [UnitSpec("moe", EXPERTS, (), (4, 64, 32), extra=dict(NAMES)),
              *(UnitSpec("dense", d, (), (64, 64)) for d in dense)]
-    return WriterContext(facts, layout, units, {}, {}, precision)
+    return WriterContext(facts, layout, units, {}, TargetOptions(), precision)
 
 
 def fp8(module: str, kind: Literal["fp8-tensor", "fp8-block"] = "fp8-tensor", scale: str = "weight_scale",

@@ -14,6 +14,7 @@ from mxfp4conv.canonical import FP4Weight, ModelFacts, MoELayer
 from mxfp4conv.precision import Fp8Linear, PrecisionModel, matches
 from mxfp4conv.resolve import resolve_quark
 from mxfp4conv.writers import WriterContext, get_target
+from mxfp4conv.writers.base import TargetOptions
 from mxfp4conv.writers.quark import KV_CACHE_GROUP
 from tests.writers.helpers import A0, A1, BF16, MTP, context, mixed_nvfp4
 
@@ -131,7 +132,7 @@ def test_an_mtp_fp8_layer_key_matches_both_runtime_names(module: str) -> None:
     the checkpoint's name and vLLM's ``layers.2.mtp_block.`` name, whatever precedes ``layers.``."""
     facts = ModelFacts("deepseek_v3", "X", "w4a16", "mxfp4", 2, 4, 64, 32)
     lin = Fp8Linear(module, "fp8-tensor", "weight_scale", "F32")
-    ctx = WriterContext(facts, "modelopt-nvfp4", [], {}, {}, PrecisionModel(fp8={module: lin}))
+    ctx = WriterContext(facts, "modelopt-nvfp4", [], {}, TargetOptions(), PrecisionModel(fp8={module: lin}))
     q = QUARK.config({}, ctx)["quantization_config"]
     assert isinstance(q, dict)
     (key,) = q["layer_quant_config"]

@@ -1,0 +1,261 @@
+"""One conversion being written: every planned shard of ``job.output`` streamed into the staging folder.
+
+``Conversion`` owns what the run accumulates: the report it fills, the progress, the finisher of the
+shards whose hash and fsync are still running, and the stream of the last unit with computed
+outputs. Shards are produced a window at a time (``windows``), their units interleaved
+(``interleave``) so that the window's files grow, and are hashed, together.
+"""
+
+from __future__ import annotations
+
+import heapq
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from mxfp4conv.pipeline import ConvertReport
+
+from mxfp4conv.check import InlineVerifier
+from mxfp4conv.errors import StagingError
+from mxfp4conv.io.atomic import remove_tree
+from mxfp4conv.io.checkpoint import PICKLE_SUFFIXES
+from mxfp4conv.io.safetensors_io import BATCH_BYTES, CheckRange, FileSlice, ShardStream, st_dtype
+from mxfp4conv.job import Job, devices
+from mxfp4conv.manifest import MANIFEST
+from mxfp4conv.plan import PlannedShard, PlannedUnit, RankPlan
+from mxfp4conv.staging import SHARD_WINDOW, ShardFinisher, json_bytes, progress_file, reuse, sha256_file
+from mxfp4conv.units import UnitResult, unit_results
+from mxfp4conv.writers import WriterContext
+
+__all__ = ["Conversion", "Progress", "interleave", "windows"]
+
+Progress = Callable[[int, int], None]
+# files of SRC that the writer makes itself, never copies
+_SKIP_FILES = {"config.json", "model.safetensors.index.json", "hf_quant_config.json", MANIFEST}
+
+
+def interleave(sizes: list[list[int]]) -> list[tuple[int, int]]:
+    """The production order of shards written at once, as (shard, unit) pairs: each shard's units in
+    their order, and next always the shard with the smallest share of its bytes produced (ties: the
+    lower index), so that the shards grow together and finish together. ``sizes``: each shard's
+    units' output bytes."""
+    totals = [max(1, sum(s)) for s in sizes]
+    heap = [(0.0, i) for i, s in enumerate(sizes) if s]
+    heapq.heapify(heap)
+    made = [0] * len(sizes)
+    nxt = [0] * len(sizes)
+    order: list[tuple[int, int]] = []
+    while heap:
+        _, i = heapq.heappop(heap)
+        k = nxt[i]
+        order.append((i, k))
+        made[i] += sizes[i][k]
+        nxt[i] += 1
+        if nxt[i] < len(sizes[i]):
+            heapq.heappush(heap, (made[i] / totals[i], i))
+    return order
+
+
+def windows(n: int, most: int) -> list[range]:
+    """``n`` shards in consecutive groups of at most ``most``, as even as possible (7 by 4: 4 + 3), so
+    that the last group also has several shards whose sha256s run in parallel."""
+    if n <= 0:
+        return []
+    count = -(-n // most)
+    base, extra = divmod(n, count)
+    out: list[range] = []
+    start = 0
+    for g in range(count):
+        size = base + (1 if g < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+@dataclass
+class _OpenShard:
+    """A shard of the window being produced: its plan, where it is written, its stream, the requant
+    statistics of its units and how many of its units are fed."""
+
+    plan: PlannedShard
+    path: Path
+    stream: ShardStream
+    stats: dict[str, Any] = field(default_factory=dict)
+    fed: int = 0
+
+
+def _copy_extras(src: Path, dst: Path, drop_hqc: bool) -> list[str]:
+    copied = []
+    for p in sorted(src.iterdir()):
+        if not p.is_file() or p.name in _SKIP_FILES or p.suffix == ".safetensors" or p.suffix in PICKLE_SUFFIXES:
+            continue
+        shutil.copyfile(p, dst / p.name)
+        copied.append(p.name)
+    if not drop_hqc and (src / "hf_quant_config.json").exists():
+        shutil.copyfile(src / "hf_quant_config.json", dst / "hf_quant_config.json")
+    return copied
+
+
+class Conversion:
+    """The shards of ``job.output`` written into ``staging`` (this partition's, with ``--partition``),
+    each proven by ``verifier`` as it is written when there is one; ``finished``: shards an earlier
+    run recorded (``--resume``, ``--finish``), reused where their bytes still hash as recorded."""
+
+    def __init__(self, job: Job, staging: Path, report: ConvertReport, fingerprint: dict[str, Any],
+                 verifier: InlineVerifier | None, on_progress: Progress | None = None) -> None:
+        self.job, self.staging, self.report = job, staging, report
+        self.verifier, self.on_progress = verifier, on_progress
+        self.outputs: dict[str, str] = {}  # sha256 per output file
+        self.reused = False  # a finished shard of an earlier run was taken
+        self.done = 0  # output bytes produced (or reused)
+        self.fin = ShardFinisher(progress_file(staging, job.opts), fingerprint, self.outputs)
+        # the stream and end of the last unit with computed outputs (see ``_feed``)
+        self._last: tuple[ShardStream, int] | None = None
+        if job.needs_device and devices(job.opts)[0].startswith("cuda"):
+            # GPU outputs are produced far faster than the disk takes them: a unit's worth queued keeps
+            # the writer busy; outputs written from the GPU (io/device_write) hold none of this budget
+            self.fin.budget.limit = max(BATCH_BYTES, job.output.largest_unit())
+
+    def write(self, finished: dict[str, dict[str, Any]]) -> dict[str, str]:
+        """Write every shard this run owns and each rank's config, index and extras: the sha256 of
+        every output file, sorted."""
+        opts = self.job.opts
+        try:
+            j = -1
+            for rank in self.job.output.ranks:
+                out_dir = self.staging / rank.folder if rank.folder else self.staging
+                out_dir.mkdir(exist_ok=True)
+                todo: list[tuple[PlannedShard, Path]] = []  # shards this run writes, in order
+                for shard in rank.shards:
+                    j += 1
+                    if opts.partition is not None and j % opts.partition[1] != opts.partition[0]:
+                        continue
+                    if not self._reuse(shard, out_dir / shard.file, finished.get(shard.rel)):
+                        todo.append((shard, out_dir / shard.file))
+                for group in windows(len(todo), SHARD_WINDOW):
+                    self._write_window([todo[g] for g in group], rank.ctx)
+                    self.fin.settle(len(group))  # the previous window's shards, whose hash and fsync overlapped this one
+                self.fin.settle()
+                if opts.partition is None:
+                    self._finish_rank(rank, out_dir)
+        except BaseException:
+            self.fin.drain()  # never leave a writer running into a folder that is about to be removed
+            raise
+        for key, secs in self.fin.budget.seconds.items():
+            self.report.seconds[key] = self.report.seconds.get(key, 0.0) + secs
+        self.report.bytes_written = self.done
+        return dict(sorted(self.outputs.items()))
+
+    def _reuse(self, shard: PlannedShard, path: Path, rec: dict[str, Any] | None) -> bool:
+        """Take a shard an earlier run finished, if its bytes still hash as recorded."""
+        if reuse(path, rec):
+            assert rec is not None
+            self.outputs[shard.rel] = rec["sha256"]
+            self.report.requant_stats.update(rec.get("stats", {}))
+            self.done += shard.nbytes
+            self.fin.mine[shard.rel] = rec
+            self.reused = True
+            return True
+        if self.job.opts.finish:
+            raise StagingError(f"shard {shard.rel} is missing or damaged in the staging folder",
+                               hint="rerun the --partition i/n conversion that owns it (shard index mod n)")
+        return False
+
+    def _finish_rank(self, rank: RankPlan, out_dir: Path) -> None:
+        """The rank's index, config and the source's other files; every file's sha256."""
+        job = self.job
+        if len(rank.shards) > 1:
+            index = {"metadata": {"total_size": rank.nbytes}, "weight_map": dict(sorted(rank.weight_map().items()))}
+            (out_dir / "model.safetensors.index.json").write_bytes(json_bytes(index))
+        (out_dir / "config.json").write_bytes(json_bytes(job.target.config(job.ckpt.config, rank.ctx)))
+        # hf_quant_config.json describes NVFP4 layers: kept only where they stay NVFP4 (--keep-nvfp4)
+        keep_hqc = rank.ctx.target_options.keep_nvfp4 and "hf_quant_config.json" in job.layout.CONFIG_FILES
+        _copy_extras(job.ckpt.root, out_dir, drop_hqc=not keep_hqc)
+        for p in sorted(out_dir.iterdir()):
+            rel = f"{rank.folder}/{p.name}" if rank.folder else p.name
+            if p.is_file() and rel not in self.outputs and not p.name.startswith(".mxfp4conv-progress"):
+                self.outputs[rel] = sha256_file(p)
+
+    def _write_window(self, todo: list[tuple[PlannedShard, Path]], ctx: WriterContext) -> None:
+        """Produce a window of shards at once, their units interleaved; each shard is handed to the
+        finisher (hash, checks and fsync finishing on its threads) once its last unit is queued."""
+        order = interleave([[u.nbytes for u in shard.units] for shard, _ in todo])
+        opened: list[_OpenShard] = []
+        try:
+            for shard, path in todo:
+                remove_tree(path)
+                stream = ShardStream(path, [(t.name, t.dtype, t.shape) for t in shard.tensors],
+                                     self.job.target.shard_metadata(ctx), self.fin.budget)
+                opened.append(_OpenShard(shard, path, stream))
+            units = [opened[i].plan.units[k] for i, k in order]
+            for (i, _), unit, res in zip(order, units, unit_results(units, self.job, ctx, self.verifier is not None),
+                                         strict=True):
+                self._feed(opened[i], unit, res, ctx)
+            for sh in opened:
+                if not sh.plan.units:  # a shard of no units (never planned today): header only
+                    self.fin.pending.append((sh.plan.rel, sh.stream.finish(), sh.stats))
+        except BaseException:
+            finished = {rel for rel, _, _ in self.fin.pending}
+            for sh in opened:
+                if sh.plan.rel not in finished:
+                    sh.stream.abort()
+            raise
+
+    def _feed(self, sh: _OpenShard, unit: PlannedUnit, res: UnitResult, ctx: WriterContext) -> None:
+        """Hand one unit's outputs (and its check) to its shard's stream. A unit's outputs may be views of
+        one buffer (the GPU path's requant results), which lives until its last byte is written: so
+        units are handed over whole, and a unit with computed outputs is fed only once the one before
+        the previous is written."""
+        report = self.report
+        report.requant_stats.update(res.stats)
+        sh.stats.update(res.stats)
+        if res.device:
+            report.requantized_on[res.device] = report.requantized_on.get(res.device, 0) + 1
+        report.seconds["read"] = report.seconds.get("read", 0.0) + res.t_read
+        report.seconds["transform"] = report.seconds.get("transform", 0.0) + res.t_transform
+        items, nbytes = self._items(unit, res, ctx, sh.path)
+        computed = any(not isinstance(t, FileSlice) for t in res.outs)
+        del res
+        for item in items:
+            sh.stream.feed(item)
+        del items
+        end = sh.stream.flush()
+        if computed:
+            # at most two units' computed outputs alive (in host memory, or on the GPU until written),
+            # however many files are written at once: the previous one is written before the next is produced
+            if self._last is not None:
+                self._last[0].wait_written(self._last[1])
+            self._last = (sh.stream, end)
+        sh.fed += 1
+        if sh.fed == len(sh.plan.units):
+            self.fin.pending.append((sh.plan.rel, sh.stream.finish(), sh.stats))
+        self.done += nbytes
+        if self.on_progress:
+            self.on_progress(self.done, self.job.output.total_bytes)
+
+    def _items(self, unit: PlannedUnit, res: UnitResult, ctx: WriterContext, path: Path
+               ) -> tuple[list[torch.Tensor | FileSlice | CheckRange], int]:
+        """A unit's items for its shard's stream (its outputs, then, with a verifier, the check of their
+        bytes, run once they are written) and its output bytes."""
+        items: list[torch.Tensor | FileSlice | CheckRange] = []
+        nbytes = 0
+        for o, t in zip(unit.outs, res.outs, strict=True):
+            if isinstance(t, FileSlice):
+                nbytes += t.length
+                items.append(t)
+                continue
+            if st_dtype(t.dtype) != o.dtype or tuple(t.shape) != o.shape:
+                raise AssertionError(f"{o.name}: encoded {st_dtype(t.dtype)}{list(t.shape)}, planned {o.dtype}{list(o.shape)}")
+            nbytes += t.numel() * t.element_size()
+            items.append(t)
+        if self.verifier is not None:
+            if res.want is None:
+                items.append(self.verifier.copied(list(unit.outs), res.outs, path, nbytes))
+            else:
+                items.append(self.verifier.decoded(self.job.target.slice_for_rank(res.want, unit.spec, ctx), unit, ctx, path))
+        return items, nbytes

@@ -1,0 +1,144 @@
+"""The conversion plan: what a conversion writes, rank by rank, shard by shard, unit by unit.
+
+Each unit carries its output tensors (names, dtypes, shapes, bytes), the source byte ranges that
+become those tensors unchanged when the unit is a lossless rename, and the host bytes its read holds
+otherwise. ``job.prepare`` makes the plan once, from headers alone; the writer, the inline proof,
+``verify``, the dry run and the manifest read it and never ask the target again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from mxfp4conv.canonical import UnitSpec
+from mxfp4conv.io.checkpoint import Checkpoint
+from mxfp4conv.io.safetensors_io import FileSlice
+from mxfp4conv.layouts.base import Plan
+from mxfp4conv.writers.base import OutTensor, Target, WriterContext
+
+__all__ = ["ConversionPlan", "PlannedShard", "PlannedUnit", "RankPlan", "direct_slices", "plan_conversion"]
+
+
+@dataclass(frozen=True)
+class PlannedUnit:
+    """One unit of one rank: its output tensors in write order and where their bytes come from."""
+
+    spec: UnitSpec
+    outs: tuple[OutTensor, ...]
+    nbytes: int  # output bytes
+    direct: tuple[FileSlice, ...] | None  # source ranges copied as they are (a lossless unit), else None
+    read_bytes: int  # host bytes the unit's read holds (0 when its bytes are copied)
+
+    @property
+    def key(self) -> str:
+        return self.spec.key
+
+
+@dataclass(frozen=True)
+class PlannedShard:
+    """One output file: whole units in plan order."""
+
+    folder: str  # "" or "rank-N"
+    file: str
+    units: tuple[PlannedUnit, ...]
+    nbytes: int
+
+    @property
+    def rel(self) -> str:
+        """The file's path in the output folder."""
+        return f"{self.folder}/{self.file}" if self.folder else self.file
+
+    @property
+    def tensors(self) -> list[OutTensor]:
+        return [o for u in self.units for o in u.outs]
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One tensor-parallel rank's output folder (the only one for runtime-native targets)."""
+
+    rank: int
+    folder: str
+    ctx: WriterContext  # the writer context with this rank's options
+    shards: tuple[PlannedShard, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    def weight_map(self) -> dict[str, str]:
+        """Output tensor -> shard file, as the index records it."""
+        return {o.name: s.file for s in self.shards for u in s.units for o in u.outs}
+
+
+@dataclass(frozen=True)
+class ConversionPlan:
+    ranks: tuple[RankPlan, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.nbytes for r in self.ranks)
+
+    def shards(self) -> Iterator[tuple[RankPlan, PlannedShard]]:
+        """Every shard with its rank, in write order (the order ``--partition`` indexes them by)."""
+        for r in self.ranks:
+            for s in r.shards:
+                yield r, s
+
+    def largest_unit(self) -> int:
+        """The output bytes of the largest unit of any rank."""
+        return max((u.nbytes for _, s in self.shards() for u in s.units), default=0)
+
+
+def direct_slices(spec: UnitSpec, outs: list[OutTensor], ckpt: Checkpoint, target: Target,
+                  ctx: WriterContext) -> tuple[FileSlice, ...] | None:
+    """Source byte ranges that become the unit's output tensors unchanged, or None (needs decoding)."""
+    if ctx.facts.source_quant != "mxfp4" and spec.kind != "passthrough":
+        return None
+    names = target.direct_sources(spec, ctx)
+    if names is None:
+        return None
+    refs = [ckpt.tensors[n] for n in names]
+    if len(refs) != len(outs) or any(r.dtype != o.dtype or r.nbytes != o.nbytes
+                                     for r, o in zip(refs, outs, strict=True)):
+        return None
+    # E8M0 0xFF (NaN) is invalid input even when only copied: the writer's hasher, which reads every
+    # copied byte anyway, checks these slices (no separate pass over the scales)
+    return tuple(FileSlice(r.file, r.begin, r.nbytes, r.name,
+                           e8m0=spec.kind != "passthrough" and r.dtype == "U8" and r.name.endswith(("weight_scale", "_scales")))
+                 for r in refs)
+
+
+def _unit(spec: UnitSpec, ckpt: Checkpoint, target: Target, ctx: WriterContext) -> PlannedUnit:
+    outs = target.out_specs(spec, ctx)
+    direct = direct_slices(spec, outs, ckpt, target, ctx)
+    read = 0 if direct is not None else sum(ckpt.tensors[n].nbytes for n in spec.sources if n in ckpt.tensors)
+    return PlannedUnit(spec, tuple(outs), sum(o.nbytes for o in outs), direct, read)
+
+
+def _shards(units: list[PlannedUnit], max_bytes: int, folder: str) -> tuple[PlannedShard, ...]:
+    """Whole units per shard, in plan order; a new shard starts when the next unit would overflow."""
+    groups: list[list[PlannedUnit]] = []
+    size = 0
+    for u in units:
+        if not groups or (groups[-1] and size + u.nbytes > max_bytes):
+            groups.append([])
+            size = 0
+        groups[-1].append(u)
+        size += u.nbytes
+    n = len(groups)
+    return tuple(PlannedShard(folder, "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors",
+                              tuple(g), sum(u.nbytes for u in g)) for i, g in enumerate(groups))
+
+
+def plan_conversion(plan: Plan, ckpt: Checkpoint, target: Target, ctx: WriterContext, max_bytes: int) -> ConversionPlan:
+    """The conversion plan of ``plan``'s units for ``target``: every rank the target writes, its units
+    split into shards of at most ``max_bytes`` (a unit larger than that gets a shard of its own)."""
+    ranks = []
+    for r in target.ranks(ctx):
+        rctx = ctx.for_rank(r)
+        folder = target.rank_folder(r, rctx)
+        units = [_unit(spec, ckpt, target, rctx) for spec in plan.units]
+        ranks.append(RankPlan(r, folder, rctx, _shards(units, max_bytes, folder)))
+    return ConversionPlan(tuple(ranks))

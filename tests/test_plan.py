@@ -1,0 +1,75 @@
+"""mxfp4conv/plan.py: the conversion plan ``job.prepare`` makes once, and what everything else reads."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from mxfp4conv.job import ConvertOptions, prepare
+from mxfp4conv.writers.base import TargetOptions
+from tests.builders import build
+
+PKG = Path(__file__).resolve().parents[1] / "mxfp4conv"
+
+
+@pytest.fixture(scope="module")
+def srcs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("plan")
+    return {layout: build(layout, root / layout, shards=2) for layout in ("ct-mxfp4", "modelopt-nvfp4", "gpt-oss")}
+
+
+@pytest.mark.parametrize(("layout", "target"), [("ct-mxfp4", "quark"), ("modelopt-nvfp4", "ct"), ("gpt-oss", "marlin")])
+def test_every_unit_once_in_whole_shards_of_at_most_the_limit(srcs: dict[str, Path], layout: str, target: str) -> None:
+    limit = 20_000
+    job = prepare(srcs[layout], ConvertOptions(target=target, max_shard_size=limit))
+    for rank in job.output.ranks:
+        units = [u for s in rank.shards for u in s.units]
+        assert [u.spec for u in units] == list(job.plan.units)  # plan order, each unit once
+        for s in rank.shards:
+            assert s.nbytes == sum(u.nbytes for u in s.units) == sum(t.nbytes for t in s.tensors)
+            assert s.nbytes <= limit or len(s.units) == 1  # only a unit larger than the limit overflows
+        n = len(rank.shards)
+        assert [s.file for s in rank.shards] == (["model.safetensors"] if n == 1 else
+                                                 [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+        wmap = rank.weight_map()
+        assert len(wmap) == sum(len(u.outs) for u in units)  # output names are unique within a rank
+        assert {wmap[o.name] for s in rank.shards for o in s.tensors} == {s.file for s in rank.shards}
+    assert job.output.total_bytes == sum(s.nbytes for _, s in job.output.shards())
+
+
+def test_lossless_units_carry_their_source_ranges(srcs: dict[str, Path]) -> None:
+    job = prepare(srcs["ct-mxfp4"], ConvertOptions(target="quark"))
+    for _, shard in job.output.shards():
+        for u in shard.units:
+            assert u.direct is not None and u.read_bytes == 0
+            assert [d.length for d in u.direct] == [o.nbytes for o in u.outs]
+            assert all(job.ckpt.tensors[d.name].begin == d.begin for d in u.direct)
+
+
+def test_decoded_units_carry_the_bytes_their_read_holds(srcs: dict[str, Path]) -> None:
+    job = prepare(srcs["modelopt-nvfp4"], ConvertOptions(target="ct"))
+    moe = [u for _, s in job.output.shards() for u in s.units if u.spec.kind == "moe"]
+    assert moe
+    for u in moe:
+        assert u.direct is None
+        assert u.read_bytes == sum(job.ckpt.tensors[n].nbytes for n in u.spec.sources)
+
+
+def test_each_rank_has_its_own_context_and_folder(tmp_path: Path) -> None:
+    src = build("gpt-oss", tmp_path / "g", hidden=128, inter=128, shards=1)  # I/tp a multiple of 32
+    job = prepare(src, ConvertOptions(target="marlin", target_options=TargetOptions(tp_size=2)))
+    assert [(r.rank, r.folder, r.ctx.target_options.tp_rank) for r in job.output.ranks] == [(0, "rank-0", 0),
+                                                                                              (1, "rank-1", 1)]
+    a, b = (r.shards[0].units for r in job.output.ranks)
+    moe = next(i for i, u in enumerate(a) if u.spec.kind == "moe")
+    assert a[moe].nbytes == b[moe].nbytes and [o.name for o in a[moe].outs] == [o.name for o in b[moe].outs]
+
+
+def test_only_the_plan_asks_a_target_for_its_outputs() -> None:
+    """``out_specs`` is computed in one place: outside the writers, only plan.py calls it."""
+    calls = [f"{p.relative_to(PKG)}:{i + 1}" for p in sorted(PKG.rglob("*.py"))
+             if p.parent.name != "writers" and p.name != "plan.py"
+             for i, line in enumerate(p.read_text().splitlines()) if re.search(r"\.out_specs\(", line)]
+    assert not calls, calls
