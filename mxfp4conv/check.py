@@ -21,11 +21,10 @@ differs raises ``VerificationFailed`` (exit 3) from its shard; nothing is then p
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +35,7 @@ if TYPE_CHECKING:
 
 from mxfp4conv.canonical import Canonical, FP4Weight, MoELayer
 from mxfp4conv.errors import VerificationFailed
+from mxfp4conv.io.pinned import StagePool
 from mxfp4conv.io.safetensors_io import CheckRange, FileSlice, torch_dtype
 from mxfp4conv.plan import PlannedUnit
 from mxfp4conv.verify import MAX_SHOWN, first_range_difference, planned_mismatches, prove_unit
@@ -199,36 +199,12 @@ def _getter(fd: int, where: dict[str, tuple[int, OutTensor]], spec: UnitSpec, e0
 
 
 # The pinned buffer a unit's bytes pass through on their way to the device: page-locked memory counts
-# in the peak RSS (BENCHMARKS.md, "Peak RSS with the proof")
+# in the peak RSS (BENCHMARKS.md, "Peak RSS with the proof"). Shared by every shard's check thread (the
+# shards of a window and the previous window's check at once): at most STAGES such buffers, taken in
+# turn, whatever the number of threads.
 STAGE_BYTES = 8 << 20
-# Shared by every shard's check thread (the shards of a window and the previous window's check at
-# once): at most STAGES page-locked buffers, taken in turn, whatever the number of threads.
 STAGES = 2
-_stages: list[torch.Tensor] = []
-_made = [0]
-_stages_free = threading.Condition()
-
-
-@contextlib.contextmanager
-def _stage() -> Iterator[torch.Tensor]:
-    import torch
-
-    with _stages_free:
-        while not _stages and _made[0] >= STAGES:
-            _stages_free.wait()
-        if _stages:
-            buf = _stages.pop()
-        else:
-            _made[0] += 1
-            buf = None
-    if buf is None:
-        buf = torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True)
-    try:
-        yield buf
-    finally:
-        with _stages_free:
-            _stages.append(buf)
-            _stages_free.notify()
+_STAGES = StagePool(STAGE_BYTES, limit=STAGES)
 
 
 def _device_of(unit: Canonical) -> torch.device | None:
@@ -246,7 +222,7 @@ def _to_device(fd: int, begin: int, end: int, dev: torch.device) -> torch.Tensor
     from mxfp4conv.io.safetensors_io import read_full, tensor_view
 
     out = torch.empty(end - begin, dtype=torch.uint8, device=dev)
-    with _stage() as stage:
+    with _STAGES.take() as (stage,):
         view = tensor_view(stage)
         pos = begin
         while pos < end:

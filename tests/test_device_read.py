@@ -59,24 +59,27 @@ def test_a_unit_read_onto_the_device_equals_the_host_read(tmp_path: Path, monkey
     from mxfp4conv.layouts import detect_layout
     from tests.builders import build
 
-    monkeypatch.setattr(device_read, "STAGE_BYTES", stage)
-    for layout in ("modelopt-nvfp4", "ct-nvfp4"):
-        src = build(layout, tmp_path / layout, layers=2, experts=8, hidden=256, inter=128, shards=2)
-        ckpt = open_checkpoint(src)
-        lay, _ = detect_layout(ckpt)
-        plan = lay.plan(ckpt)
-        units = [u for u in plan.units if u.kind == "moe"]
-        assert units
-        for spec in units:
-            host = lay.read(ckpt, spec)
-            dev = lay.read(ckpt, spec, device="cuda:0")
-            assert isinstance(host, MoELayer) and isinstance(dev, MoELayer)
-            for hw, dw in ((host.w13, dev.w13), (host.w2, dev.w2)):
-                assert dw.packed.is_cuda and dw.scales.is_cuda
-                assert torch.equal(hw.packed, dw.packed.cpu())
-                assert torch.equal(hw.scales.view(torch.uint8), dw.scales.view(torch.uint8).cpu())
-                assert hw.global_rows is not None and dw.global_rows is not None
-                assert torch.equal(hw.global_rows, dw.global_rows)
+    device_read.STAGES.clear(stage)  # stages of this size from here on
+    try:
+        for layout in ("modelopt-nvfp4", "ct-nvfp4"):
+            src = build(layout, tmp_path / layout, layers=2, experts=8, hidden=256, inter=128, shards=2)
+            ckpt = open_checkpoint(src)
+            lay, _ = detect_layout(ckpt)
+            plan = lay.plan(ckpt)
+            units = [u for u in plan.units if u.kind == "moe"]
+            assert units
+            for spec in units:
+                host = lay.read(ckpt, spec)
+                dev = lay.read(ckpt, spec, device="cuda:0")
+                assert isinstance(host, MoELayer) and isinstance(dev, MoELayer)
+                for hw, dw in ((host.w13, dev.w13), (host.w2, dev.w2)):
+                    assert dw.packed.is_cuda and dw.scales.is_cuda
+                    assert torch.equal(hw.packed, dw.packed.cpu())
+                    assert torch.equal(hw.scales.view(torch.uint8), dw.scales.view(torch.uint8).cpu())
+                    assert hw.global_rows is not None and dw.global_rows is not None
+                    assert torch.equal(hw.global_rows, dw.global_rows)
+    finally:
+        device_read.STAGES.clear(device_read.STAGE_BYTES)
 
 
 @pytest.mark.gpu

@@ -56,8 +56,7 @@ def _write(path: Path, items: list[tuple[str, object]], on_gpu: set[str]) -> str
 
 @pytest.mark.parametrize("stage", [4096, 1 << 20])
 def test_device_tensors_write_the_host_tensors_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: int) -> None:
-    monkeypatch.setattr(device_write, "STAGE_BYTES", stage)
-    device_write._pool.clear()  # stages of another size
+    device_write.STAGES.clear(stage)  # stages of this size from here on
     items, _ = _items(tmp_path)
     want = _write(tmp_path / "host.safetensors", items, set())
     for k, on_gpu in enumerate(({"a", "b", "d", "e", "f", "g"}, {"a", "b"}, {"d"}, {"e"}, {"b", "f", "g"})):
@@ -66,7 +65,7 @@ def test_device_tensors_write_the_host_tensors_bytes(tmp_path: Path, monkeypatch
         assert got == want, on_gpu
         assert path.read_bytes() == (tmp_path / "host.safetensors").read_bytes()
         assert hashlib.sha256(path.read_bytes()).hexdigest() == want
-    device_write._pool.clear()
+    device_write.STAGES.clear(device_write.STAGE_BYTES)
 
 
 def test_a_gpu_conversion_copies_no_unit_back_whole(tmp_path: Path) -> None:
@@ -96,7 +95,7 @@ def test_a_write_error_leaves_the_stages_reusable(tmp_path: Path) -> None:
 
     with pytest.raises(OSError):
         device_write.write_device(span, write)
-    assert seen and device_write._pool
+    assert seen and device_write.STAGES.free_sets
     got = bytearray()
     device_write.write_device(span, got.extend)
     assert bytes(got) == torch.arange(50_000, dtype=torch.int32).numpy().tobytes()

@@ -82,3 +82,35 @@ def test_the_smallest_fitting_slab_is_taken_wherever_it_is_in_the_pool() -> None
     got = slabs.take(2500)  # 3000 is neither first nor last of the free buffers
     assert slabs.allocated == 4 and got.numel() == 2500
     assert sorted(b.nbytes for b in slabs._free) == [100, 2000, 4000]
+
+
+class _PlainPool(pinned.StagePool):
+    """The pool's bookkeeping with plain host tensors (page-locked ones need CUDA)."""
+
+    def _make(self, device: object) -> list[torch.Tensor]:
+        return [torch.empty(self.nbytes, dtype=torch.uint8) for _ in range(self.count)]
+
+
+def test_a_stage_pool_reuses_its_sets_and_waits_at_its_limit() -> None:
+    import threading
+    import time
+
+    pool = _PlainPool(64, count=2, limit=1)
+    with pool.take() as first:
+        assert len(first) == 2 and all(t.numel() == 64 for t in first)
+        got: list[list[torch.Tensor]] = []
+        t = threading.Thread(target=lambda: got.append(pool.take().__enter__()))
+        t.start()
+        time.sleep(0.2)
+        assert not got  # the one set is lent: the second taker waits
+    t.join(timeout=5)
+    assert got and got[0] is first  # the same set, given back and taken again
+    unlimited = _PlainPool(8)
+    with unlimited.take() as a, unlimited.take() as b:
+        assert a is not b
+    with unlimited.take() as c:
+        assert c is a or c is b
+    assert unlimited.free_sets == 2
+    unlimited.clear(16)
+    with unlimited.take() as d:
+        assert d[0].numel() == 16

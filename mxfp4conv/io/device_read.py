@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
+from mxfp4conv.io.pinned import StagePool
 from mxfp4conv.io.safetensors_io import TensorRef, read_parts, tensor_view
 
 if TYPE_CHECKING:
@@ -20,25 +21,22 @@ if TYPE_CHECKING:
 __all__ = ["STAGE_BYTES", "read_to_device"]
 
 STAGE_BYTES = 64 << 20  # each of the two pinned buffers (a power of two: the allocator rounds to one)
+# pairs of read stages, one pair per read in flight (a reader thread per device)
+STAGES = StagePool(STAGE_BYTES, count=2)
 
-_local = threading.local()  # each reading thread has its own buffers, stream and events
+_local = threading.local()  # each reading thread has its own stream and events
 
 
-def _stages(device: torch.device) -> tuple[list[torch.Tensor], torch.cuda.Stream, list[torch.cuda.Event]]:
+def _stream(device: torch.device) -> tuple[torch.cuda.Stream, list[torch.cuda.Event]]:
     import torch
 
-    key = (device, STAGE_BYTES)
     got = getattr(_local, "by_device", None)
     if got is None:
         got = _local.by_device = {}
-    if key not in got:
-        from mxfp4conv.io.pinned import use_fast_pinning
-
-        use_fast_pinning()
+    if device not in got:
         with torch.cuda.device(device):
-            got[key] = ([torch.empty(key[1], dtype=torch.uint8, pin_memory=True) for _ in range(2)],
-                        torch.cuda.Stream(device), [torch.cuda.Event(), torch.cuda.Event()])
-    return got[key]
+            got[device] = (torch.cuda.Stream(device), [torch.cuda.Event(), torch.cuda.Event()])
+    return got[device]
 
 
 def plan_windows(items: list[tuple[TensorRef, int]], total: int,
@@ -79,16 +77,19 @@ def read_to_device(items: list[tuple[TensorRef, int]], out: torch.Tensor) -> Non
     if out.dtype != torch.uint8 or not out.is_cuda or not out.is_contiguous():
         raise ValueError("read_to_device needs a contiguous uint8 CUDA tensor")
     flat = out.view(-1)
-    bufs, stream, done = _stages(out.device)
-    used = [False, False]
-    for n, (w0, w1, parts) in enumerate(plan_windows(items, flat.numel(), int(bufs[0].numel()))):
-        k = n % 2
-        if used[k]:
-            done[k].synchronize()  # this buffer's last copy to the device has finished
-        view = tensor_view(bufs[k])
-        read_parts([(ref, view[w:w + length], off) for ref, off, w, length in parts])
-        with torch.cuda.stream(stream):
-            flat[w0:w1].copy_(bufs[k][:w1 - w0], non_blocking=True)
-            done[k].record(stream)
-        used[k] = True
-    stream.synchronize()
+    stream, done = _stream(out.device)
+    with STAGES.take(out.device) as bufs:
+        used = [False, False]
+        try:
+            for n, (w0, w1, parts) in enumerate(plan_windows(items, flat.numel(), int(bufs[0].numel()))):
+                k = n % 2
+                if used[k]:
+                    done[k].synchronize()  # this buffer's last copy to the device has finished
+                view = tensor_view(bufs[k])
+                read_parts([(ref, view[w:w + length], off) for ref, off, w, length in parts])
+                with torch.cuda.stream(stream):
+                    flat[w0:w1].copy_(bufs[k][:w1 - w0], non_blocking=True)
+                    done[k].record(stream)
+                used[k] = True
+        finally:
+            stream.synchronize()  # no copy may still read a stage that another read takes next

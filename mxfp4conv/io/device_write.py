@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mxfp4conv.io.pinned import StagePool
+
 if TYPE_CHECKING:
     import torch
 
@@ -53,26 +55,9 @@ def gather(tensors: list[torch.Tensor]) -> DeviceBytes:
     return DeviceBytes(data, ready)
 
 
-_pool: list[list[torch.Tensor]] = []  # free pairs of stages, shared by every shard's writer thread
-_pool_lock = threading.Lock()
+# pairs of stages, shared by every shard's writer thread (one pair per write in flight)
+STAGES = StagePool(STAGE_BYTES, count=2)
 _local = threading.local()  # each writer thread's stream and events, per device
-
-
-def _take() -> list[torch.Tensor]:
-    import torch
-
-    with _pool_lock:
-        if _pool:
-            return _pool.pop()
-    from mxfp4conv.io.pinned import use_fast_pinning
-
-    use_fast_pinning()
-    return [torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-
-
-def _give(stages: list[torch.Tensor]) -> None:
-    with _pool_lock:
-        _pool.append(stages)
 
 
 def _stream(dev: torch.device) -> tuple[torch.cuda.Stream, list[torch.cuda.Event]]:
@@ -93,27 +78,27 @@ def write_device(span: DeviceBytes, write: Callable[[memoryview], None]) -> None
     import torch
 
     dev = span.data.device
-    stages = _take()
     stream, events = _stream(dev)
-    views = [memoryview(s.numpy()) for s in stages]  # type: ignore[arg-type]
-    try:
-        with torch.cuda.device(dev):
-            stream.wait_event(span.ready)
-            pending: tuple[torch.cuda.Event, memoryview] | None = None
-            n = len(span)
-            for i, pos in enumerate(range(0, n, STAGE_BYTES)):
-                m = min(STAGE_BYTES, n - pos)
-                # stage i % 2 held chunk i - 2, written already: free to fill
-                with torch.cuda.stream(stream):
-                    stages[i % 2][:m].copy_(span.data[pos:pos + m], non_blocking=True)
-                events[i % 2].record(stream)
+    with STAGES.take() as stages:
+        views = [memoryview(s.numpy()) for s in stages]  # type: ignore[arg-type]
+        step = int(stages[0].numel())
+        try:
+            with torch.cuda.device(dev):
+                stream.wait_event(span.ready)
+                pending: tuple[torch.cuda.Event, memoryview] | None = None
+                n = len(span)
+                for i, pos in enumerate(range(0, n, step)):
+                    m = min(step, n - pos)
+                    # stage i % 2 held chunk i - 2, written already: free to fill
+                    with torch.cuda.stream(stream):
+                        stages[i % 2][:m].copy_(span.data[pos:pos + m], non_blocking=True)
+                    events[i % 2].record(stream)
+                    if pending is not None:
+                        pending[0].synchronize()
+                        write(pending[1])
+                    pending = (events[i % 2], views[i % 2][:m])
                 if pending is not None:
                     pending[0].synchronize()
                     write(pending[1])
-                pending = (events[i % 2], views[i % 2][:m])
-            if pending is not None:
-                pending[0].synchronize()
-                write(pending[1])
-    finally:
-        stream.synchronize()  # no copy may still land in a stage that another write takes next
-        _give(stages)
+        finally:
+            stream.synchronize()  # no copy may still land in a stage that another write takes next

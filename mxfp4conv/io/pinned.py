@@ -1,7 +1,7 @@
 """How page-locked (pinned) host memory is had for GPU transfers.
 
 Two kinds. Small fixed buffers (the read stages of ``io/device_read``, the write stages of
-``io/device_write``, the check's stage) come from torch's caching host allocator, told to pin with
+``io/device_write``, the check's stage), lent by ``StagePool``s, come from torch's caching host allocator, told to pin with
 ``malloc`` + ``cudaHostRegister`` from several threads (``use_fast_pinning``): by default it pins
 with ``cudaHostAlloc``, ~2 GB/s on an H200 host and no faster from several threads, against 5-7 GB/s
 registered from 8-16 threads. Unit-sized results copied back from the GPU whole (targets that do not
@@ -18,6 +18,7 @@ import os
 import threading
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -65,6 +66,58 @@ def use_fast_pinning() -> bool:
         except (AttributeError, RuntimeError):  # a torch that lacks the setting keeps cudaHostAlloc
             return False
         return True
+
+
+class StagePool:
+    """Sets of ``count`` page-locked buffers of ``nbytes`` each, made on first need and reused by every
+    thread in turn. ``limit``: at most that many sets exist, and a taker waits for a free one (None:
+    a taker never waits; as many sets exist as were ever in use at once). Sets are made per CUDA
+    device (``device``: pinned under that device's context; None: the current one)."""
+
+    def __init__(self, nbytes: int, count: int = 1, limit: int | None = None) -> None:
+        self.nbytes, self.count, self.limit = nbytes, count, limit
+        self._free: dict[Any, list[list[torch.Tensor]]] = {}
+        self._made: dict[Any, int] = {}
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def take(self, device: Any = None) -> Iterator[list[torch.Tensor]]:
+        """A set of buffers, given back when the block ends (whatever copies into them must be done by then)."""
+        with self._cond:
+            free = self._free.setdefault(device, [])
+            while not free and self.limit is not None and self._made.get(device, 0) >= self.limit:
+                self._cond.wait()
+            got = free.pop() if free else None
+            if got is None:
+                self._made[device] = self._made.get(device, 0) + 1
+        if got is None:
+            got = self._make(device)
+        try:
+            yield got
+        finally:
+            with self._cond:
+                self._free[device].append(got)
+                self._cond.notify()
+
+    def _make(self, device: Any) -> list[torch.Tensor]:
+        import torch
+
+        use_fast_pinning()  # before the first pinned allocation
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+            return [torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(self.count)]
+
+    def clear(self, nbytes: int | None = None) -> None:
+        """Let go of every set (none may be lent); ``nbytes``: the size of the sets made from now on."""
+        with self._cond:
+            self._free.clear()
+            self._made.clear()
+            if nbytes is not None:
+                self.nbytes = nbytes
+
+    @property
+    def free_sets(self) -> int:
+        with self._cond:
+            return sum(len(v) for v in self._free.values())
 
 
 class HostSlabs:
