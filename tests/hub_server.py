@@ -11,14 +11,33 @@ from local folders, with the requests huggingface_hub makes and the answers it e
   answer 206 + Content-Range, a range starting past the end 416; a missing repo, revision or file 404
   with ``X-Error-Code`` RepoNotFound / RevisionNotFound / EntryNotFound.
 
-Faults are injected per test with :meth:`HubServer.fault` (429 with RateLimit headers, 503, a short
-206 body, a connection dropped mid-body, one corrupted byte, an expired link, any callback such as a
-branch that moves), each on the requests a predicate picks, ``times`` times. :attr:`HubServer.log`
-records every request with the body bytes sent, so a test can count what a client fetched.
+Uploads, as huggingface_hub sends them with ``HF_HUB_DISABLE_XET=1`` (each needs ``Authorization: Bearer``,
+the :attr:`HubServer.write_token` when set; 401 otherwise):
+
+- ``POST /api/repos/create`` (name, organization, visibility): a new repo whose first commit holds a
+  ``.gitattributes``, as on the Hub; 409 for a repo that exists. A private repo answers reads without
+  the write token as a missing one (404 RepoNotFound).
+- ``POST /api/models/{id}/branch/{branch}`` (startingPoint): a branch at the default branch's head; 409 if it exists.
+- ``POST /api/models/{id}/preupload/{rev}`` (files: path, sample, size): each file's uploadMode (lfs for a
+  weight suffix, 10 MiB or more, or a sample holding a NUL byte) and the oid the revision holds for it.
+- ``POST /{id}.git/info/lfs/objects/batch``: an upload action (a PUT to the second host name, no token
+  there, and a verify action) per object the repo lacks; an object it has gets no actions ("already exists").
+- ``PUT /lfs-upload/{id}/{sha256}`` on the second host: the body (Content-Length or chunked), stored
+  only if its size and sha256 match; ``POST /{id}.git/info/lfs/objects/verify``: 200 once stored, 404 before.
+- ``POST /api/models/{id}/commit/{rev}`` (NDJSON: header, file with base64 content, lfsFile by oid,
+  deletedFile): one new commit on the branch, all or nothing (an lfsFile the repo lacks: 422, nothing
+  committed); answers commitOid and commitUrl. A later GET of the repo serves what was committed.
+
+Faults are injected per test with :meth:`HubServer.fault` (429 with RateLimit headers, 503, 403 as an
+expired presigned link, a short 206 body, a connection dropped mid-body (for a PUT: after half the
+upload is read), one corrupted byte, an expired link, any callback such as a branch that moves), each
+on the requests a predicate picks, ``times`` times. :attr:`HubServer.log` records every request with
+the body bytes sent and received, so a test can count what a client fetched and uploaded.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import re
@@ -41,6 +60,11 @@ _RESOLVE = re.compile(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
 _CDN = re.compile(r"^/cdn/([0-9a-f]{64})$")
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 _SHA = re.compile(r"^[0-9a-f]{40}$")
+_WRITE = re.compile(r"^/api/models/([^/]+/[^/]+)/(preupload|commit|branch)/([^/]+)$")
+_LFS_API = re.compile(r"^/([^/]+/[^/]+)\.git/info/lfs/objects/(batch|verify)$")
+_LFS_PUT = re.compile(r"^/lfs-upload/([^/]+/[^/]+)/([0-9a-f]{64})$")
+LFS_THRESHOLD = 10 << 20  # the Hub stores larger files in LFS whatever their name
+GITATTRIBUTES = b"".join(f"*{s} filter=lfs diff=lfs merge=lfs -text\n".encode() for s in LFS_SUFFIXES)
 
 
 @dataclass(frozen=True)
@@ -80,6 +104,8 @@ class Request:
     range: str | None
     status: int = 0
     sent: int = 0
+    received: int = 0  # request body bytes read (a PUT's upload)
+    authorized: bool = False  # whether it carried an Authorization header
 
 
 @dataclass
@@ -87,7 +113,7 @@ class Fault:
     """``kind`` on the next ``times`` requests ``match`` accepts (``match(request)``, after the
     request line and headers are read)."""
 
-    kind: str  # "429", "503", "short", "drop", "corrupt", "expire", "call"
+    kind: str  # "429", "503", "403", "short", "drop", "corrupt", "expire", "call"
     match: Callable[[Request], bool]
     times: int = 1
     call: Callable[[], None] | None = None
@@ -98,6 +124,9 @@ class Fault:
 class _Repo:
     commits: dict[str, dict[str, Blob]] = field(default_factory=dict)
     refs: dict[str, str] = field(default_factory=dict)
+    private: bool = False
+    lfs: set[str] = field(default_factory=set)  # sha256 of the LFS objects the repo holds (uploaded or committed)
+    messages: dict[str, str] = field(default_factory=dict)  # commit -> its summary
 
 
 class HubServer:
@@ -109,6 +138,8 @@ class HubServer:
         self.log: list[Request] = []
         self.faults: list[Fault] = []
         self.tokens: dict[str, str] = {}  # live CDN token -> sha256
+        self.write_token: str | None = None  # when set, the only token uploads and private reads accept
+        self.creates: list[dict[str, Any]] = []  # the bodies of POST /api/repos/create
         self._lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -124,17 +155,20 @@ class HubServer:
                 files[rel] = Blob(data, rel.endswith(LFS_SUFFIXES) or len(data) >= 10 << 20)
         return self.add_commit(repo_id, files, branch=branch)
 
-    def add_commit(self, repo_id: str, files: dict[str, Blob], *, branch: str = "main") -> str:
+    def add_commit(self, repo_id: str, files: dict[str, Blob], *, branch: str = "main", message: str = "upload") -> str:
         with self._lock:
             repo = self.repos.setdefault(repo_id, _Repo())
             parent = repo.refs.get(branch, "")
             digest = hashlib.sha1(parent.encode() + json.dumps(
-                {k: v.git_oid for k, v in sorted(files.items())}).encode() + repo_id.encode())
+                {k: v.git_oid for k, v in sorted(files.items())}).encode() + repo_id.encode() + message.encode())
             sha = digest.hexdigest()
             repo.commits[sha] = dict(files)
             repo.refs[branch] = sha
+            repo.messages[sha] = message
             for b in files.values():
                 self.blobs[b.sha256] = b
+                if b.lfs:
+                    repo.lfs.add(b.sha256)
             return sha
 
     def files(self, repo_id: str, rev: str = "main") -> dict[str, Blob]:
@@ -153,6 +187,10 @@ class HubServer:
         """Every CDN link handed out so far stops working (403), as a presigned URL past its expiry."""
         with self._lock:
             self.tokens.clear()
+
+    def received(self, match: Callable[[Request], bool] | None = None) -> int:
+        with self._lock:
+            return sum(r.received for r in self.log if match is None or match(r))
 
     def sent(self, match: Callable[[Request], bool] | None = None) -> int:
         with self._lock:
@@ -228,18 +266,22 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self._serve()
 
+    def do_PUT(self) -> None:
+        self._serve()
+
     # -- plumbing
     def _serve(self) -> None:
         split = urlsplit(self.path)
         host = (self.headers.get("Host") or "").split(":")[0]
-        req = Request(self.command, split.path, "cdn" if host == "localhost" else "hub", self.headers.get("Range"))
+        req = Request(self.command, split.path, "cdn" if host == "localhost" else "hub", self.headers.get("Range"),
+                      authorized=bool(self.headers.get("Authorization")))
         with self.hub._lock:
             self.hub.log.append(req)
         self._req = req
-        body = b""
-        if self.command == "POST":
-            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         fault = self.hub._take_fault(req)
+        if fault is not None and fault.kind == "drop" and self.command == "PUT":
+            return self._drop_upload()
+        body = self._body() if self.command in ("POST", "PUT") else b""
         if fault is not None and fault.kind == "call":
             assert fault.call is not None
             fault.call()
@@ -249,6 +291,9 @@ class _Handler(BaseHTTPRequestHandler):
                 "RateLimit": '"resolvers";r=0;t=0', "RateLimit-Policy": '"fixed window";"resolvers";q=3000;w=300'})
         if fault is not None and fault.kind == "503":
             return self._send(503, b'{"error":"unavailable"}')
+        if fault is not None and fault.kind == "403":
+            return self._send(403, b"<Error><Code>AccessDenied</Code><Message>Request has expired</Message></Error>",
+                              content_type="application/xml")
         if fault is not None and fault.kind == "expire":
             self.hub.expire_links()
             fault = None
@@ -257,6 +302,14 @@ class _Handler(BaseHTTPRequestHandler):
             query = parse_qs(split.query)
             if (m := _CDN.match(split.path)) and req.host == "cdn":
                 return self._cdn(m.group(1), query)
+            if (m := _LFS_PUT.match(split.path)) and req.host == "cdn" and self.command == "PUT":
+                return self._lfs_put(unquote(m.group(1)), m.group(2), body)
+            if self.command == "POST" and split.path == "/api/repos/create":
+                return self._create(body)
+            if self.command == "POST" and (m := _WRITE.match(split.path)):
+                return self._write(unquote(m.group(1)), m.group(2), unquote(m.group(3)), body)
+            if self.command == "POST" and (m := _LFS_API.match(split.path)):
+                return self._lfs_api(unquote(m.group(1)), m.group(2), body)
             if m := _API.match(split.path):
                 form = parse_qs(body.decode()) if body else {}
                 return self._api(unquote(m.group(1)), m.group(2), unquote(m.group(3) or ""),
@@ -266,6 +319,32 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(404, b"not found")
         except (BrokenPipeError, ConnectionResetError):
             return None
+
+    def _body(self) -> bytes:
+        """The request body: Content-Length bytes, or the chunks of ``Transfer-Encoding: chunked``."""
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            parts = []
+            while True:
+                n = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if n == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass  # trailers
+                    break
+                parts.append(self.rfile.read(n))
+                self.rfile.readline()
+            data = b"".join(parts)
+        else:
+            data = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._req.received = len(data)
+        return data
+
+    def _drop_upload(self) -> None:
+        """A connection lost mid-upload: half the announced body read, then closed without an answer."""
+        want = int(self.headers.get("Content-Length") or 0)
+        got = self.rfile.read(want // 2) if want else self.rfile.read1(1 << 16)
+        self._req.received = len(got)
+        self.close_connection = True
+        self.connection.shutdown(2)
 
     def _send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None, *,
               content_type: str = "application/json") -> None:
@@ -287,9 +366,18 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(404, json.dumps({"error": code}).encode(),
                    {"X-Error-Code": code, "X-Error-Message": code, **(headers or {})})
 
+    def _authorized(self) -> bool:
+        auth = self.headers.get("Authorization") or ""
+        want = self.hub.write_token
+        return auth.startswith("Bearer ") and len(auth) > 7 and (want is None or auth == f"Bearer {want}")
+
+    def _unauthorized(self) -> None:
+        self._send(401, b'{"error":"Invalid credentials in Authorization header"}',
+                   {"X-Error-Message": "Invalid credentials in Authorization header"})
+
     def _commit(self, repo_id: str, rev: str) -> tuple[str, dict[str, Blob]] | None:
         repo = self.hub.repos.get(repo_id)
-        if repo is None:
+        if repo is None or (repo.private and not self._authorized()):
             self._error("RepoNotFound")
             return None
         sha = repo.refs.get(rev) or (rev if _SHA.match(rev) and rev in repo.commits else None)
@@ -327,7 +415,8 @@ class _Handler(BaseHTTPRequestHandler):
                     if b.lfs:
                         s["lfs"] = {"size": len(b.data), "sha256": b.sha256, "pointerSize": len(b.pointer)}
                 sib.append(s)
-            return self._json({"id": repo_id, "modelId": repo_id, "sha": sha, "private": False,
+            return self._json({"id": repo_id, "modelId": repo_id, "sha": sha,
+                               "private": self.hub.repos[repo_id].private,
                                "siblings": sib, "tags": [], "downloads": 0, "likes": 0})
         if kind == "tree":
             recursive = (query.get("recursive") or ["false"])[0].lower() == "true"
@@ -339,6 +428,124 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json([entry(p) for p in names])
         # paths-info: the entries that exist, in the order asked
         return self._json([entry(p) for p in form.get("paths", []) if p in files or p in dirs])
+
+    # -- uploads
+    def _create(self, body: bytes) -> None:
+        if not self._authorized():
+            return self._unauthorized()
+        doc = json.loads(body or b"{}")
+        with self.hub._lock:
+            self.hub.creates.append(doc)
+        repo_id = f"{doc.get('organization')}/{doc['name']}" if doc.get("organization") else f"user/{doc['name']}"
+        url = f"{self.hub.url}/{repo_id}"
+        if repo_id in self.hub.repos:
+            return self._send(409, json.dumps({"error": "You already created this model repo", "url": url}).encode(),
+                              {"X-Error-Message": "You already created this model repo"})
+        self.hub.add_commit(repo_id, {".gitattributes": Blob(GITATTRIBUTES, False)}, message="initial commit")
+        self.hub.repos[repo_id].private = doc.get("visibility") == "private"
+        return self._json({"url": url, "name": repo_id, "id": hashlib.sha1(repo_id.encode()).hexdigest()[:24]})
+
+    def _write(self, repo_id: str, kind: str, rev: str, body: bytes) -> None:
+        if not self._authorized():
+            return self._unauthorized()
+        repo = self.hub.repos.get(repo_id)
+        if repo is None:
+            return self._error("RepoNotFound")
+        doc: Any = json.loads(body or b"{}") if kind != "commit" else None
+        if kind == "branch":
+            if rev in repo.refs:
+                return self._send(409, b'{"error":"Reference already exists"}',
+                                  {"X-Error-Message": "Reference already exists"})
+            start = doc.get("startingPoint") or "main"
+            sha = repo.refs.get(start) or (start if start in repo.commits else None)
+            if sha is None:
+                return self._error("RevisionNotFound")
+            repo.refs[rev] = sha
+            return self._json({})
+        got = self._commit(repo_id, rev)
+        if got is None:
+            return None
+        _, files = got
+        if kind == "preupload":
+            out = []
+            for f in doc["files"]:
+                sample = base64.b64decode(f["sample"])
+                lfs = f["path"].endswith(LFS_SUFFIXES) or int(f["size"]) >= LFS_THRESHOLD or b"\0" in sample
+                have = files.get(f["path"])
+                oid = None if have is None else (have.sha256 if have.lfs else hashlib.sha1(
+                    b"blob %d\x00" % len(have.data) + have.data).hexdigest())
+                out.append({"path": f["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False,
+                            "oid": oid})
+            return self._json({"files": out, "commitOid": got[0]})
+        return self._commit_ndjson(repo_id, rev, repo, files, body)
+
+    def _commit_ndjson(self, repo_id: str, rev: str, repo: _Repo, files: dict[str, Blob], body: bytes) -> None:
+        if rev not in repo.refs:
+            return self._send(400, b'{"error":"Can only commit to a branch"}',
+                              {"X-Error-Message": "Can only commit to a branch"})
+        tree = dict(files)
+        header: dict[str, Any] = {}
+        for line in body.splitlines():
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            key, value = item["key"], item["value"]
+            if key == "header":
+                header = value
+            elif key == "file":
+                tree[value["path"]] = Blob(base64.b64decode(value["content"]), False)
+            elif key == "lfsFile":
+                blob = self.hub.blobs.get(value["oid"])
+                if value["oid"] not in repo.lfs or blob is None or ("size" in value and value["size"] != len(blob.data)):
+                    msg = f"Your push was rejected because an LFS pointer pointed to a file that does not exist: {value['path']}"
+                    return self._send(422, json.dumps({"error": msg}).encode(), {"X-Error-Message": msg})
+                tree[value["path"]] = blob
+            elif key == "deletedFile":
+                tree.pop(value["path"], None)
+            elif key == "deletedFolder":
+                tree = {k: v for k, v in tree.items() if not k.startswith(value["path"].rstrip("/") + "/")}
+        parent = header.get("parentCommit")
+        if parent is not None and parent != repo.refs[rev]:
+            return self._send(412, b'{"error":"A commit has happened since"}',
+                              {"X-Error-Message": "A commit has happened since. Please refresh and try again."})
+        sha = self.hub.add_commit(repo_id, tree, branch=rev, message=header.get("summary", ""))
+        return self._json({"success": True, "commitOid": sha, "commitUrl": f"{self.hub.url}/{repo_id}/commit/{sha}",
+                           "pullRequestUrl": None})
+
+    def _lfs_api(self, repo_id: str, kind: str, body: bytes) -> None:
+        if not self._authorized():
+            return self._unauthorized()
+        repo = self.hub.repos.get(repo_id)
+        if repo is None:
+            return self._error("RepoNotFound")
+        doc = json.loads(body or b"{}")
+        if kind == "verify":
+            blob = self.hub.blobs.get(doc["oid"])
+            if doc["oid"] not in repo.lfs or blob is None or len(blob.data) != doc["size"]:
+                return self._send(404, b'{"message":"object not found"}')
+            return self._json({"message": "ok"})
+        objects = []
+        for o in doc["objects"]:
+            entry: dict[str, Any] = {"oid": o["oid"], "size": o["size"], "authenticated": True}
+            if o["oid"] not in repo.lfs:  # objects the repo has get no actions: already exists
+                entry["actions"] = {
+                    "upload": {"href": f"{self.hub.cdn_url}/lfs-upload/{repo_id}/{o['oid']}", "header": {}},
+                    "verify": {"href": f"{self.hub.url}/{repo_id}.git/info/lfs/objects/verify", "header": {}}}
+            objects.append(entry)
+        return self._send(200, json.dumps({"transfer": "basic", "objects": objects}).encode(),
+                          content_type="application/vnd.git-lfs+json")
+
+    def _lfs_put(self, repo_id: str, oid: str, body: bytes) -> None:
+        repo = self.hub.repos.get(repo_id)
+        if repo is None:
+            return self._send(404, b"<Error><Code>NoSuchBucket</Code></Error>", content_type="application/xml")
+        if hashlib.sha256(body).hexdigest() != oid:
+            return self._send(400, b"<Error><Code>BadDigest</Code></Error>", content_type="application/xml")
+        blob = Blob(body, True)
+        with self.hub._lock:
+            self.hub.blobs[oid] = blob
+            repo.lfs.add(oid)
+        return self._send(200, b"", {"ETag": f'"{oid}"'})
 
     # -- /resolve and the CDN
     def _resolve(self, repo_id: str, rev: str, path: str) -> None:
