@@ -167,11 +167,17 @@ def _render_inspect(doc: dict[str, Any]) -> None:
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
               help="Run work units as Ray tasks on the cluster at ADDRESS (HOST:PORT); input and output must be on "
                    "a filesystem every node sees. Needs mxfp4conv[ray].")
+@click.option("--push-to-hub", "push_to_hub", default=None, metavar="ORG/NAME",
+              help="Upload the published DST to this Hugging Face repo in one commit (resumable: run it again).")
+@click.option("--private", is_flag=True, help="--push-to-hub: create the repo private.")
+@click.option("--push-revision", default=None, metavar="BRANCH", help="--push-to-hub: commit to this branch (made if missing).")
+@click.option("--commit-message", default=None, metavar="TEXT", help="--push-to-hub: the commit's message.")
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as one JSON document on stdout.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, devices: str | None, max_shard_size: str, tp_size: int,
                 engine: str, marlin_act: str, keep_nvfp4: bool, revision: str | None, overwrite: bool, dry_run: bool, no_verify: bool,
                 resume: bool, partition: str | None, finish: bool, skip_if_current: bool, ray_address: str | None,
+                push_to_hub: str | None, private: bool, push_revision: str | None, commit_message: str | None,
                 as_json: bool, debug: bool) -> None:
     """Convert SRC (folder or HF repo id) into DST; verified before it appears.
 
@@ -184,6 +190,7 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
       mxfp4conv convert ./src ./out --partition 0/4   # on 4 machines sharing a filesystem, then:
       mxfp4conv convert ./src ./out --finish
       mxfp4conv convert ./src ./out --ray 10.0.0.1:6379   # on a Ray cluster sharing a filesystem
+      mxfp4conv convert ./gpt-oss-20b ./out --to quark --push-to-hub my-org/gpt-oss-20b-quark --private
     """
     from mxfp4conv.pipeline import ConvertOptions, ConvertReport, convert
     from mxfp4conv.writers.base import TargetOptions
@@ -201,9 +208,13 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
                               verify=not no_verify, skip_if_current=skip_if_current, revision=revision, target_options=topts,
                               resume=resume, partition=_partition(partition), finish=finish,
                               devices=_device_list(devices))
+        from mxfp4conv.push import PushOptions, current_output, push_output
+
+        push = PushOptions.from_cli(push_to_hub, private, push_revision, commit_message, opts)
         bar = None if as_json or not sys.stderr.isatty() else _progress_bar()
-        report: ConvertReport
-        if ray_address is not None:  # the units run on Ray's workers: this process only drives them
+        # with --push-to-hub, a DST that already holds this conversion is pushed as it is (a push run again)
+        report: ConvertReport | None = current_output(src, dst, opts) if push is not None else None
+        if report is None and ray_address is not None:  # the units run on Ray's workers: this process only drives them
             from mxfp4conv.ray_runner import convert_on_ray
 
             try:
@@ -211,13 +222,15 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
             finally:
                 if bar:
                     bar(-1, -1)
-        else:
+        elif report is None:
             with _collector_settled_at_first_unit(bar) as progress:
                 try:
                     report = convert(src, dst, opts, on_progress=progress)
                 finally:
                     progress(-1, -1)
         doc = report.to_dict()
+        if push is not None:
+            doc["push"] = push_output(dst, push, written_now=report.status == "converted").to_dict()
         if as_json:
             _emit_json(doc)
         else:
@@ -346,6 +359,10 @@ def _render_convert(doc: dict[str, Any]) -> None:
         _err.print(f"[green]done:[/] {_safe(doc['destination'])} ({doc['bytes_written']:,} bytes, "
                    f"{doc['seconds'].get('total', 0):.1f} s)" + (", verified" if v and v.get("ok") else ", NOT verified"),
                    markup=True)
+    if doc.get("push"):
+        p = doc["push"]
+        _err.print(f"[green]pushed:[/] {_safe(p['repo_id'])}@{_safe(p['revision'])} commit {p['commit']} ({p['files']} "
+                   f"files, {p['bytes']:,} bytes{', private' if p['private'] else ''})", markup=True)
 
 
 @cli.command("verify")
