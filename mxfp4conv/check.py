@@ -81,7 +81,7 @@ class InlineVerifier:
             found = []
             pos = begin
             for o, s in zip(outs, slices, strict=True):
-                at = first_range_difference(s.file, s.begin, fd, pos, s.length)
+                at = first_range_difference(s, fd, pos)
                 if at is not None:
                     found.append({"tensor": o.name, "message": f"bytes differ from the source, first at byte {at}"})
                 pos += s.length

@@ -157,6 +157,9 @@ def _render_inspect(doc: dict[str, Any]) -> None:
               help="Marlin: activation type of the kernel (fp8 = vLLM's W4A8 MXFP4 tiling).")
 @click.option("--keep-nvfp4", is_flag=True, help="Marlin: keep NVFP4 sources as NVFP4 (no requantization).")
 @click.option("--revision", default=None, help="Hugging Face revision (for a repo id SRC).")
+@click.option("--stream", is_flag=True,
+              help="A repo id SRC: read its shards by range instead of downloading them (no local copy; each "
+                   "shard's sha256 checked against the Hub's before DST appears).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing DST (atomically).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--no-verify", is_flag=True, help="Skip the post-write verification.")
@@ -175,7 +178,8 @@ def _render_inspect(doc: dict[str, Any]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as one JSON document on stdout.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, devices: str | None, max_shard_size: str, tp_size: int,
-                engine: str, marlin_act: str, keep_nvfp4: bool, revision: str | None, overwrite: bool, dry_run: bool, no_verify: bool,
+                engine: str, marlin_act: str, keep_nvfp4: bool, revision: str | None, stream: bool, overwrite: bool,
+                dry_run: bool, no_verify: bool,
                 resume: bool, partition: str | None, finish: bool, skip_if_current: bool, ray_address: str | None,
                 push_to_hub: str | None, private: bool, push_revision: str | None, commit_message: str | None,
                 as_json: bool, debug: bool) -> None:
@@ -205,7 +209,7 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
         topts = TargetOptions(tp_size=tp_size, engine=engine, marlin_act=marlin_act, keep_nvfp4=keep_nvfp4)
         opts = ConvertOptions(target=target, scale_rule=scale_rule, device=_device(device),
                               max_shard_size=parse_size(max_shard_size), overwrite=overwrite, dry_run=dry_run,
-                              verify=not no_verify, skip_if_current=skip_if_current, revision=revision, target_options=topts,
+                              verify=not no_verify, skip_if_current=skip_if_current, revision=revision, stream=stream, target_options=topts,
                               resume=resume, partition=_partition(partition), finish=finish,
                               devices=_device_list(devices))
         from mxfp4conv.push import PushOptions, current_output, push_output

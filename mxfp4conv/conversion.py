@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 from mxfp4conv.check import InlineVerifier
 from mxfp4conv.errors import StagingError
 from mxfp4conv.io.atomic import remove_tree
-from mxfp4conv.io.checkpoint import PICKLE_SUFFIXES
+from mxfp4conv.io.checkpoint import PICKLE_SUFFIXES, Checkpoint
 from mxfp4conv.io.safetensors_io import BATCH_BYTES, CheckRange, FileSlice, ShardStream, st_dtype
 from mxfp4conv.job import Job, devices
 from mxfp4conv.manifest import MANIFEST
@@ -89,15 +89,24 @@ class _OpenShard:
     fed: int = 0
 
 
-def _copy_extras(src: Path, dst: Path, drop_hqc: bool) -> list[str]:
+def _copy_extras(ckpt: Checkpoint, dst: Path, drop_hqc: bool) -> list[str]:
+    """SRC's other top-level files (tokenizer, generation config, ...) into ``dst``; a Hub repo's are
+    downloaded (they are small), its weights never."""
+    repo = ckpt.remote
+    names = sorted(n for n in repo.files if "/" not in n) if repo is not None else sorted(
+        p.name for p in ckpt.root.iterdir() if p.is_file())
+
+    def local(name: str) -> Path:
+        return repo.download(name) if repo is not None else ckpt.root / name
+
     copied = []
-    for p in sorted(src.iterdir()):
-        if not p.is_file() or p.name in _SKIP_FILES or p.suffix == ".safetensors" or p.suffix in PICKLE_SUFFIXES:
+    for name in names:
+        if name in _SKIP_FILES or name.endswith(".safetensors") or Path(name).suffix in PICKLE_SUFFIXES:
             continue
-        shutil.copyfile(p, dst / p.name)
-        copied.append(p.name)
-    if not drop_hqc and (src / "hf_quant_config.json").exists():
-        shutil.copyfile(src / "hf_quant_config.json", dst / "hf_quant_config.json")
+        shutil.copyfile(local(name), dst / name)
+        copied.append(name)
+    if not drop_hqc and "hf_quant_config.json" in names:
+        shutil.copyfile(local("hf_quant_config.json"), dst / "hf_quant_config.json")
     return copied
 
 
@@ -175,7 +184,7 @@ class Conversion:
         (out_dir / "config.json").write_bytes(json_bytes(job.target.config(job.ckpt.config, rank.ctx)))
         # hf_quant_config.json describes NVFP4 layers: kept only where they stay NVFP4 (--keep-nvfp4)
         keep_hqc = rank.ctx.target_options.keep_nvfp4 and "hf_quant_config.json" in job.layout.CONFIG_FILES
-        _copy_extras(job.ckpt.root, out_dir, drop_hqc=not keep_hqc)
+        _copy_extras(job.ckpt, out_dir, drop_hqc=not keep_hqc)
         for p in sorted(out_dir.iterdir()):
             rel = f"{rank.folder}/{p.name}" if rank.folder else p.name
             if p.is_file() and rel not in self.outputs and not p.name.startswith(".mxfp4conv-progress"):

@@ -42,6 +42,7 @@ class ConvertOptions:
     partition: tuple[int, int] | None = None  # (i, n): write only shards j with j % n == i, publish nothing
     finish: bool = False  # publish once every partition's shards are in the staging folder
     devices: tuple[str, ...] = ()  # explicit devices for unit transforms, e.g. ("cuda:0", "cuda:1")
+    stream: bool = False  # a Hub repo's shards read by range, not downloaded (io/hub.py)
 
     def fingerprint_dict(self) -> dict[str, Any]:
         return {"target": self.target, "scale_rule": self.scale_rule, "max_shard_size": self.max_shard_size,
@@ -72,7 +73,7 @@ class Job:
 def prepare(src: str | Path, opts: ConvertOptions) -> Job:
     """Open, detect, validate and plan SRC for ``opts.target``; ``InputError`` (the source, or a target it cannot
     be written to) / ``UsageError`` (an option) when it cannot be."""
-    ckpt = open_checkpoint(src, opts.revision)
+    ckpt = open_checkpoint(src, opts.revision, remote=opts.stream)
     layout, plan, _ = analyze(ckpt)
     if plan.problems:
         p = plan.problems[0]

@@ -62,6 +62,8 @@ class ConvertReport:
     compute: dict[str, Any] | None = None
     # units requantized by this run, per device (several GPUs share a conversion's units)
     requantized_on: dict[str, int] = field(default_factory=dict)
+    # a Hub repo read by range (--stream): repo id, revision, commit, bytes fetched, each shard's sha256
+    hub: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -70,16 +72,26 @@ class ConvertReport:
 
 
 def source_fingerprint(ckpt: Checkpoint) -> dict[str, Any]:
-    """Hashes identifying the source: full sha256 of JSON files, header sha256 + size of shards."""
+    """Hashes identifying the source: full sha256 of JSON files, header sha256 + size of shards (the same
+    for a Hub repo read remotely as for a local copy of it)."""
     out: dict[str, Any] = {}
+    repo = ckpt.remote
     for name in ("config.json", "hf_quant_config.json", "model.safetensors.index.json"):
-        if (ckpt.root / name).exists():
+        if repo is not None and name in repo.files:
+            out[name] = {"sha256": sha256_file(repo.download(name))}
+        elif repo is None and (ckpt.root / name).exists():
             out[name] = {"sha256": sha256_file(ckpt.root / name)}
     for f in ckpt.shard_files:
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            head = fh.read(n)
-        out[ckpt.rel(f)] = {"size": f.stat().st_size, "header_sha256": hashlib.sha256(head).hexdigest()}
+        if repo is not None:
+            raw = repo.read_header_bytes(repo.name_of(f))
+            n = int.from_bytes(raw[:8], "little")
+            head, size = raw[8:8 + n], repo.size(f)
+        else:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                head = fh.read(n)
+            size = f.stat().st_size
+        out[ckpt.rel(f)] = {"size": size, "header_sha256": hashlib.sha256(head).hexdigest()}
     return out
 
 
@@ -138,7 +150,7 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
             return report
     if not opts.dry_run:
         check_hasher()
-    check_destination(job.ckpt.root, dst, overwrite=opts.overwrite or opts.skip_if_current)
+    check_destination(None if job.ckpt.remote else job.ckpt.root, dst, overwrite=opts.overwrite or opts.skip_if_current)
     _fill_plan_report(report, job)
     if opts.dry_run:
         report.seconds["total"] = time.perf_counter() - t_start
@@ -151,6 +163,15 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
     try:
         run = Conversion(job, staging, report, fingerprint, verifier, on_progress)
         outputs = run.write(finished)
+        repo = job.ckpt.remote
+        if repo is not None:
+            # every shard's bytes against the Hub's sha256 before anything is published (partitions
+            # read only their own shards' ranges: --finish checks them all)
+            names = [repo.name_of(f) for f in job.ckpt.shard_files]
+            checked = repo.check_digests(names) if opts.partition is None else 0
+            report.hub = {"repo_id": repo.repo_id, "revision": repo.revision, "commit": repo.commit,
+                          "bytes_fetched": repo.fetched, "bytes_read_to_check": checked,
+                          "files": {n: repo.files[n].sha256 for n in names}}
         if opts.partition is not None:
             report.status = "partial"
             report.seconds["total"] = time.perf_counter() - t_start

@@ -106,7 +106,8 @@ def direct_slices(spec: UnitSpec, outs: list[OutTensor], ckpt: Checkpoint, targe
     # E8M0 0xFF (NaN) is invalid input even when only copied: the writer's hasher, which reads every
     # copied byte anyway, checks these slices (no separate pass over the scales)
     return tuple(FileSlice(r.file, r.begin, r.nbytes, r.name,
-                           e8m0=spec.kind != "passthrough" and r.dtype == "U8" and r.name.endswith(("weight_scale", "_scales")))
+                           e8m0=spec.kind != "passthrough" and r.dtype == "U8" and r.name.endswith(("weight_scale", "_scales")),
+                           source=r.source)
                  for r in refs)
 
 

@@ -132,31 +132,28 @@ def first_difference(a: FileSlice, b: TensorRef, chunk: int = 2 << 20) -> int | 
         return 0
     fb = os.open(b.file, os.O_RDONLY)
     try:
-        return first_range_difference(a.file, a.begin, fb, b.begin, a.length, chunk)
+        return first_range_difference(a, fb, b.begin, chunk)
     finally:
         os.close(fb)
 
 
-def first_range_difference(src: Path, src_pos: int, fd: int, pos: int, length: int,
-                           chunk: int = 2 << 20) -> int | None:
-    """Offset of the first byte where ``length`` bytes of ``src`` from ``src_pos`` and of the open
-    file ``fd`` from ``pos`` differ (None if equal; a short file differs where it ends). Two buffers
-    of ``chunk`` bytes, reused: a conversion runs one such check per open shard at once."""
-    fa = os.open(src, os.O_RDONLY)
-    try:
-        x, y = bytearray(min(chunk, length)), bytearray(min(chunk, length))
-        off = 0
-        while off < length:
-            n = min(chunk, length - off)
-            if n < len(x):  # the last piece
-                x, y = bytearray(n), bytearray(n)
-            gx, gy = read_full(fa, memoryview(x), src_pos + off), read_full(fd, memoryview(y), pos + off)
-            if gx != n or gy != n or x != y:  # bytearray == bytearray is one memcmp
-                m = min(gx, gy)
-                return off + next((i for i in range(m) if x[i] != y[i]), m)
-            off += n
-    finally:
-        os.close(fa)
+def first_range_difference(src: FileSlice, fd: int, pos: int, chunk: int = 2 << 20) -> int | None:
+    """Offset of the first byte where the source range ``src`` (read through its byte source) and the
+    open file ``fd`` from ``pos`` differ (None if equal; a short file differs where it ends). Two
+    buffers of ``chunk`` bytes, reused: a conversion runs one such check per open shard at once."""
+    length = src.length
+    x, y = bytearray(min(chunk, length)), bytearray(min(chunk, length))
+    off = 0
+    while off < length:
+        n = min(chunk, length - off)
+        if n < len(x):  # the last piece
+            x, y = bytearray(n), bytearray(n)
+        gx = src.source.read_into(src.file, src.begin + off, [memoryview(x)])
+        gy = read_full(fd, memoryview(y), pos + off)
+        if gx != n or gy != n or x != y:  # bytearray == bytearray is one memcmp
+            m = min(gx, gy)
+            return off + next((i for i in range(m) if x[i] != y[i]), m)
+        off += n
     return None
 
 

@@ -137,6 +137,7 @@ def test_range_difference_finds_the_first_differing_byte_across_pieces(tmp_path:
     piece, the short last one included, is reported at its offset; equal ranges give None."""
     import os
 
+    from mxfp4conv.io.safetensors_io import FileSlice
     from mxfp4conv.verify import first_range_difference
 
     data = bytes(range(256)) * 41  # 10,496 bytes
@@ -147,10 +148,10 @@ def test_range_difference_finds_the_first_differing_byte_across_pieces(tmp_path:
     b.write_bytes(b"yyy" + bytes(changed))
     fd = os.open(b, os.O_RDONLY)
     try:
-        assert first_range_difference(a, 2, fd, 3, 10_240, chunk=4096) == at
-        assert first_range_difference(a, 2, fd, 3, at, chunk=4096) is None  # the range before it is equal
+        assert first_range_difference(FileSlice(a, 2, 10_240), fd, 3, chunk=4096) == at
+        assert first_range_difference(FileSlice(a, 2, at), fd, 3, chunk=4096) is None  # the range before it is equal
         b.write_bytes(b"yyy" + data[:9_000])  # the output ends early: a difference where it ends
-        assert first_range_difference(a, 2, fd, 3, 10_240, chunk=4096) == 9_000
+        assert first_range_difference(FileSlice(a, 2, 10_240), fd, 3, chunk=4096) == 9_000
     finally:
         os.close(fd)
 

@@ -20,18 +20,21 @@ def staging_path(dst: Path) -> Path:
     return dst.parent / f".{dst.name}.mxfp4conv-staging"
 
 
-def check_destination(src: Path, dst: Path, *, overwrite: bool) -> None:
-    """Refuse DST equal to, inside or holding SRC, DST paths through symlinks, an existing DST."""
-    src_r, dst_abs = src.resolve(), Path(os.path.abspath(dst))
+def check_destination(src: Path | None, dst: Path, *, overwrite: bool) -> None:
+    """Refuse DST equal to, inside or holding SRC (None: SRC has no local files), DST paths through
+    symlinks, an existing DST."""
+    dst_abs = Path(os.path.abspath(dst))
     dst_r = dst_abs.resolve()
-    if dst_r == src_r or src_r in dst_r.parents:
-        raise OutputError("DST is inside (or equal to) SRC; mxfp4conv never writes into its input",
-                          file=str(dst), hint="choose a destination outside the source folder")
-    # Replacing a DST that holds SRC (or the files SRC links to, e.g. an HF cache's blobs/) deletes the input.
-    for real in [src_r, *_resolved(src)]:
-        if dst_r in real.parents:
-            raise OutputError(f"DST contains the source ({real}); replacing it would delete the input",
+    if src is not None:
+        src_r = src.resolve()
+        if dst_r == src_r or src_r in dst_r.parents:
+            raise OutputError("DST is inside (or equal to) SRC; mxfp4conv never writes into its input",
                               file=str(dst), hint="choose a destination outside the source folder")
+        # Replacing a DST that holds SRC (or the files SRC links to, e.g. an HF cache's blobs/) deletes the input.
+        for real in [src_r, *_resolved(src)]:
+            if dst_r in real.parents:
+                raise OutputError(f"DST contains the source ({real}); replacing it would delete the input",
+                                  file=str(dst), hint="choose a destination outside the source folder")
     probe = dst_abs
     while probe != probe.parent:
         if probe.is_symlink():

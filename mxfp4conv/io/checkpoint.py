@@ -295,7 +295,7 @@ def _open_remote(repo_id: str, revision: str | None) -> Checkpoint:
             if name not in repo.files:
                 raise InputError(f"shard {name!r} listed in the index does not exist", file=str(path),
                                  hint="the repo lacks the shard; check the index")
-            shard, meta = parse_header(repo.read_header_bytes(name), repo.files[name].size, path)
+            shard, meta = parse_header(repo.read_header_bytes(name), repo.files[name].size, path, repo)
             files.append(path)
             metas[name] = meta
             _add_shard(tensors, shard, wmap, name, path)

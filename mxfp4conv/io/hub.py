@@ -12,13 +12,21 @@ multi-range requests. 429 waits as huggingface_hub does (its RateLimit / Retry-A
 and dropped connections are retried with backoff, a 403 from the redirect host (an expired link)
 re-resolves the file; a link to another host gets no token.
 
+A ``RemoteRepo`` is also a ``ByteSource`` (``io/source.py``): a conversion reads a shard's tensors by
+range (``convert --stream``), never storing the shard. The sha256 of every range handed to the
+conversion is recorded; before anything is published, ``check_digests`` reads each shard once more in
+file order, compares its sha256 with the Hub's (an LFS file's oid) and every recorded range with the
+same bytes of that pass, so a byte that arrived corrupted in any read is found.
+
 Errors are ``InputError`` (exit 1), one line naming ``org/model@sha/<file>``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -84,8 +92,11 @@ class RemoteRepo:
     commit: str
     files: dict[str, HubFile]
     token: str | bool | None = None
-    fetched: int = 0  # body bytes of the header ranges read so far
+    fetched: int = 0  # body bytes read so far (header ranges and, when converting, tensor data)
     _meta: dict[str, Any] = field(default_factory=dict, repr=False)
+    # per file: (begin, end, sha256) of every range handed to a reader
+    _served: dict[str, list[tuple[int, int, bytes]]] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def root(self) -> HubPath:
@@ -106,17 +117,89 @@ class RemoteRepo:
                              file=str(self.path(name)), hint="run the command again")
         return got
 
+    def name_of(self, file: Path) -> str:
+        """The repo path of ``org/model@sha/<file>``."""
+        text, root = str(file), str(self.root)
+        if not text.startswith(root + "/"):
+            raise InputError("is not a file of this repo", file=text)
+        return text[len(root) + 1:]
+
+    # the ByteSource interface (io/source.py)
+    def read_into(self, file: Path, offset: int, bufs: list[memoryview]) -> int:
+        name = self.name_of(file)
+        want = min(sum(len(b) for b in bufs), max(0, self.files[name].size - offset))
+        raw = self.read_range(name, offset, offset + want)
+        self._serve(name, offset, raw)
+        data = memoryview(raw)
+        at = 0
+        for b in bufs:
+            n = min(len(b), len(data) - at)
+            b[:n] = data[at:at + n]
+            at += n
+        return at
+
+    def descriptor(self, file: Path) -> int | None:
+        return None  # no local file: bytes are read into buffers
+
+    def size(self, file: Path) -> int:
+        return self.files[self.name_of(file)].size
+
+    def sha256(self, file: Path) -> str | None:
+        return self.files[self.name_of(file)].sha256
+
+    def _serve(self, name: str, begin: int, body: bytes) -> None:
+        """Record the sha256 of bytes handed to a reader, for ``check_digests``."""
+        if body:
+            digest = hashlib.sha256(body).digest()
+            with self._lock:
+                self._served.setdefault(name, []).append((begin, begin + len(body), digest))
+
+    def check_digests(self, names: list[str], chunk: int = 64 << 20) -> int:
+        """Read each file once more in order: its sha256 must be the Hub's, and every range handed to a
+        reader must hold the bytes of this pass. ``InputError`` naming the first file (and range) that
+        differs; returns the bytes read."""
+        total = 0
+        for name in names:
+            info = self.files[name]
+            with self._lock:
+                served = sorted(self._served.get(name, ()))
+            whole = hashlib.sha256()
+            active: list[tuple[int, int, bytes, Any]] = []
+            nxt = 0
+            for c0 in range(0, info.size, chunk):
+                c1 = min(info.size, c0 + chunk)
+                body = memoryview(self.read_range(name, c0, c1))
+                total += c1 - c0
+                whole.update(body)
+                while nxt < len(served) and served[nxt][0] < c1:
+                    b, e, d = served[nxt]
+                    active.append((b, e, d, hashlib.sha256()))
+                    nxt += 1
+                left = []
+                for b, e, d, h in active:
+                    h.update(body[max(b, c0) - c0:min(e, c1) - c0])
+                    if e > c1:
+                        left.append((b, e, d, h))
+                    elif h.digest() != d:
+                        raise InputError(f"bytes {b}-{e - 1} as first read differ from a second read", file=str(self.path(name)),
+                                         hint="nothing was published; the download was corrupted: run the command again")
+                active = left
+            if info.sha256 is not None and whole.hexdigest() != info.sha256:
+                raise InputError(f"the bytes read have sha256 {whole.hexdigest()}, the Hub records {info.sha256}",
+                                 file=str(self.path(name)),
+                                 hint="nothing was published; the download was corrupted or the repo changed: run the command again")
+        return total
+
     def read_header_bytes(self, name: str) -> bytes:
         """The first ``8 + n`` bytes of a safetensors file (its length and JSON header), or fewer when
         the length is invalid (the parser names the problem), in at most two Range GETs."""
         size = self.files[name].size
         first = self.read_range(name, 0, min(size, HEAD_PROBE))
-        if len(first) < 8:
-            return first
-        end = 8 + int.from_bytes(first[:8], "little")
-        if end <= len(first) or end > size or end > 8 + (100 << 20):
-            return first  # the header is in hand, or its length is invalid: the parser says which
-        return first + self.read_range(name, len(first), end)
+        end = 8 + int.from_bytes(first[:8], "little") if len(first) >= 8 else 0
+        if len(first) >= 8 and len(first) < end <= min(size, 8 + (100 << 20)):
+            first += self.read_range(name, len(first), end)
+        self._serve(name, 0, first)  # what the plan is made from: checked with the tensors' bytes
+        return first
 
     def read_range(self, name: str, begin: int, end: int) -> bytes:
         """Bytes ``[begin, end)`` of file ``name`` at the pinned commit, checked (206, Content-Range,

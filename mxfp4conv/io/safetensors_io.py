@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 from mxfp4conv.errors import InputError, OutputError
 from mxfp4conv.io import device_write, hash_native
 from mxfp4conv.io.device_write import DeviceBytes
+from mxfp4conv.io.source import LOCAL, ByteSource
 
 __all__ = [  # and DTYPES, built lazily by the module __getattr__
     "CHECK_HOOK",
@@ -147,6 +148,7 @@ class FileSlice:
     # MXFP4 E8M0 scales: the byte 0xFF (NaN) is invalid input. Checked by the hasher thread, which
     # reads every copied byte from its source anyway (an InputError naming file and tensor fails the shard).
     e8m0: bool = False
+    source: ByteSource = field(default=LOCAL, compare=False, repr=False)  # where the file's bytes are
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,7 @@ class TensorRef:
     shape: tuple[int, ...]
     begin: int  # absolute file offset of the first byte
     end: int  # absolute file offset one past the last byte
+    source: ByteSource = field(default=LOCAL, compare=False, repr=False)  # where the file's bytes are
 
     @property
     def nbytes(self) -> int:
@@ -243,17 +246,9 @@ class TensorRef:
     def read_part(self, buf: memoryview, offset: int) -> None:
         """Read the tensor's bytes ``[offset, offset + len(buf))`` into ``buf``; a short read (the
         file shrank under us) raises ``InputError`` naming the file and the tensor."""
-        fd = os.open(self.file, os.O_RDONLY)
-        try:
-            done = 0
-            while done < len(buf):
-                got = os.preadv(fd, [buf[done:]], self.begin + offset + done)  # a short read is legal: loop
-                if got <= 0:
-                    raise InputError("file ended inside the tensor's data (truncated shard?)",
-                                     file=str(self.file), tensor=self.name, hint="download the shard again")
-                done += got
-        finally:
-            os.close(fd)
+        if self.source.read_into(self.file, self.begin + offset, [buf]) < len(buf):
+            raise InputError("file ended inside the tensor's data (truncated shard?)",
+                             file=str(self.file), tensor=self.name, hint="download the shard again")
 
     def read_bytes(self) -> bytes:
         """The raw bytes of the tensor (exactly ``nbytes``)."""
@@ -376,23 +371,15 @@ def _read_run(run: list[tuple[TensorRef, memoryview, int]]) -> None:
     if len(run) == 1:
         first.read_part(run[0][1], run[0][2])
         return
-    fd = os.open(first.file, os.O_RDONLY)
-    try:
-        pos = first.begin + run[0][2]
-        i, into = 0, 0  # the part being filled, and how far
-        while i < len(run):
-            bufs = [run[i][1][into:]] + [p[1] for p in run[i + 1:]]
-            got = os.preadv(fd, bufs, pos)  # a short read is legal: loop
-            if got <= 0:
+    bufs = [p[1] for p in run]
+    got = first.source.read_into(first.file, first.begin + run[0][2], bufs)
+    if got < sum(len(b) for b in bufs):
+        at = 0
+        for ref, buf, _ in run:  # the tensor the file ended in
+            if got < at + len(buf):
                 raise InputError("file ended inside the tensor's data (truncated shard?)",
-                                 file=str(first.file), tensor=run[i][0].name, hint="download the shard again")
-            pos += got
-            while i < len(run) and got >= len(run[i][1]) - into:
-                got -= len(run[i][1]) - into
-                i, into = i + 1, 0
-            into += got
-    finally:
-        os.close(fd)
+                                 file=str(first.file), tensor=ref.name, hint="download the shard again")
+            at += len(buf)
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
@@ -427,20 +414,21 @@ def header_length(head: bytes, size: int, fname: str) -> int:
     return n
 
 
-def parse_header(data: bytes, size: int, path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
+def parse_header(data: bytes, size: int, path: Path,
+                 source: ByteSource = LOCAL) -> tuple[dict[str, TensorRef], dict[str, str]]:
     """:func:`read_header` from bytes: ``data`` holds the shard's first bytes (at least the 8-byte
     length and the header, perhaps more), ``size`` is the whole file's size, ``path`` names the file
-    in the refs and in errors (a remote file's name, say)."""
+    in the refs and in errors (a remote file's name, say), ``source`` where its bytes are."""
     fname = str(path)
     n = header_length(data[:8], size, fname)
     if len(data) < 8 + n:
         raise InputError(f"{len(data)} bytes given for a header that ends at byte {8 + n}", file=fname,
                          hint="the shard is truncated; download it again")
-    return _decode_header(data[8:8 + n], 8 + n, size, path)
+    return _decode_header(data[8:8 + n], 8 + n, size, path, source)
 
 
-def _decode_header(raw: bytes, data_start: int, size: int,
-                   path: Path) -> tuple[dict[str, TensorRef], dict[str, str]]:
+def _decode_header(raw: bytes, data_start: int, size: int, path: Path,
+                   source: ByteSource = LOCAL) -> tuple[dict[str, TensorRef], dict[str, str]]:
     """The JSON header ``raw`` of a file of ``size`` bytes whose data area starts at ``data_start``."""
     fname = str(path)
     try:
@@ -458,7 +446,7 @@ def _decode_header(raw: bytes, data_start: int, size: int,
         raise InputError("__metadata__ must map strings to strings", file=fname)
     tensors: dict[str, TensorRef] = {}
     for name, entry in header.items():
-        tensors[name] = _parse_entry(fname, path, name, entry, data_start, data_len)
+        tensors[name] = _parse_entry(fname, path, name, entry, data_start, data_len, source)
     if not _in_order(tensors.values()):  # headers list their tensors in file order: the sort is rare
         spans = sorted((t.begin, t.end, t.name) for t in tensors.values() if t.nbytes)
         for (_, e0, n0), (b1, _, n1) in itertools.pairwise(spans):
@@ -484,7 +472,7 @@ _MAX_DIM = 2**48
 
 
 def _parse_entry(fname: str, path: Path, name: str, entry: Any, data_start: int,
-                 data_len: int) -> TensorRef:
+                 data_len: int, source: ByteSource = LOCAL) -> TensorRef:
     # Fast path (every entry of a valid header; ~75K per Qwen3-30B-A3B): the checks below by exact
     # types (JSON ints are int, never bool) in a few C-level calls; anything else takes the checks
     # that name the problem.
@@ -495,12 +483,12 @@ def _parse_entry(fname: str, path: Path, name: str, entry: Any, data_start: int,
                 and (not shape or ({*map(type, shape)} == {int} and min(shape) >= 0 and max(shape) < _MAX_DIM))):
             b, e = offs
             if 0 <= b <= e <= data_len and e - b == math.prod(shape) * ITEMSIZE[dtype]:
-                return TensorRef(path, name, dtype, tuple(shape), data_start + b, data_start + e)
-    return _checked_entry(fname, path, name, entry, data_start, data_len)
+                return TensorRef(path, name, dtype, tuple(shape), data_start + b, data_start + e, source)
+    return _checked_entry(fname, path, name, entry, data_start, data_len, source)
 
 
 def _checked_entry(fname: str, path: Path, name: str, entry: Any, data_start: int,
-                   data_len: int) -> TensorRef:
+                   data_len: int, source: ByteSource = LOCAL) -> TensorRef:
     if not isinstance(entry, dict):
         raise InputError("header entry is not an object", file=fname, tensor=name)
     dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
@@ -520,7 +508,7 @@ def _checked_entry(fname: str, path: Path, name: str, entry: Any, data_start: in
     if e - b != expect:
         raise InputError(f"holds {e - b} bytes but dtype {dtype} x shape {shape} needs {expect}",
                          file=fname, tensor=name, hint="the shard is corrupt")
-    return TensorRef(path, name, dtype, tuple(shape), data_start + b, data_start + e)
+    return TensorRef(path, name, dtype, tuple(shape), data_start + b, data_start + e, source)
 
 
 def _header_bytes(entries: list[tuple[str, str, tuple[int, ...], int]],
@@ -714,7 +702,8 @@ def copy_runs(slices: tuple[FileSlice, ...]) -> list[tuple[FileSlice, tuple[File
             continue
         if runs and runs[-1][0].file == s.file and runs[-1][0].begin + runs[-1][0].length == s.begin:
             last, parts = runs[-1]
-            runs[-1] = (FileSlice(last.file, last.begin, last.length + s.length, last.name), (*parts, s))
+            runs[-1] = (FileSlice(last.file, last.begin, last.length + s.length, last.name, source=last.source),
+                        (*parts, s))
         else:
             runs.append((s, (s,)))
     return runs
@@ -759,7 +748,7 @@ class _BackgroundWriter:
         self._nbuf: ctypes.Array[ctypes.c_char] | None = None  # the same, native path
         # source files open for the writer (0) and the hasher (1) thread, one descriptor per thread and
         # file for the shard's lifetime: a ct-mxfp4 rename copies ~10,000 small tensors
-        self._fds: tuple[dict[Path, int], dict[Path, int]] = ({}, {})
+        self._fds: tuple[dict[Path, int | None], dict[Path, int | None]] = ({}, {})
         self._wq: queue.Queue[bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | DeviceBytes | None] = \
             queue.Queue()
         self._hq: queue.Queue[int | tuple[FileSlice, ...] | None] = queue.Queue()  # buffers by size
@@ -821,7 +810,11 @@ class _BackgroundWriter:
                     t0 = time.perf_counter()
                     self._will_need(job)
                     for src in job:
-                        self._hash_range(self._source(src, 1), src.begin, src.length, src)
+                        fd = self._source(src, 1)
+                        if fd is None:
+                            self._hash_read(src)
+                        else:
+                            self._hash_range(fd, src.begin, src.length, src)
                         pos += src.length
                     self._busy[1] += time.perf_counter() - t0
                     continue
@@ -870,8 +863,10 @@ class _BackgroundWriter:
         if not hasattr(os, "posix_fadvise"):
             return
         for run, _ in copy_runs(job):
-            with contextlib.suppress(OSError):
-                os.posix_fadvise(self._source(run, 1), run.begin, run.length, os.POSIX_FADV_WILLNEED)
+            fd = self._source(run, 1)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(fd, run.begin, run.length, os.POSIX_FADV_WILLNEED)
 
     def _hash_range(self, fd: int, pos: int, left: int, src: FileSlice | None) -> None:
         """Hash ``left`` bytes of ``fd`` from ``pos``: a copied slice's source range (``src``), or the
@@ -896,6 +891,23 @@ class _BackgroundWriter:
             pos += got
             left -= got
 
+    def _hash_read(self, src: FileSlice) -> None:
+        """``_hash_range`` of a copied slice whose bytes are not a local file: read through its source."""
+        if self._hbuf is None:
+            self._hbuf = bytearray(HASH_CHUNK)
+        view = memoryview(self._hbuf)
+        pos, left = src.begin, src.length
+        while left and self._error is None:
+            n = min(left, HASH_CHUNK)
+            if src.source.read_into(src.file, pos, [view[:n]]) < n:
+                raise _shrank(src)
+            if src.e8m0 and self._hbuf.find(b"\xff", 0, n) >= 0:
+                raise InputError("E8M0 scale byte 0xFF (NaN) is not a valid MXFP4 scale", file=str(src.file),
+                                 tensor=src.name or None, hint="the checkpoint is corrupt; re-export it")
+            self._digest.update(view[:n])
+            pos += n
+            left -= n
+
     def _hash_chunk(self, chunk: memoryview) -> None:
         self._digest.update(chunk)
 
@@ -917,12 +929,13 @@ class _BackgroundWriter:
                 raise OSError(errno.EIO, "the shard got shorter while being written")
             raise _shrank(src)
 
-    def _source(self, src: FileSlice, thread: int) -> int:
-        """The open file of ``src`` for the writer (0) or the hasher (1) thread."""
+    def _source(self, src: FileSlice, thread: int) -> int | None:
+        """The open file of ``src`` for the writer (0) or the hasher (1) thread; None where its bytes
+        are not a local file (they are read through its ``ByteSource``)."""
         fds = self._fds[thread]
         if src.file not in fds:
             try:
-                fds[src.file] = os.open(src.file, os.O_RDONLY)
+                fds[src.file] = src.source.descriptor(src.file)
             except OSError as exc:
                 raise InputError(f"cannot read the source: {exc.strerror}", file=str(src.file), tensor=src.name or None,
                                  hint="the source changed during the conversion; restore it and rerun") from exc
@@ -946,6 +959,17 @@ class _BackgroundWriter:
     def _copy(self, src: FileSlice, parts: tuple[FileSlice, ...] = ()) -> None:
         fd = self._source(src, 0)
         pos, left = src.begin, src.length
+        if fd is None:  # not a local file: read through its source, then written
+            if self._wbuf is None:
+                self._wbuf = memoryview(bytearray(COPY_CHUNK))
+            while left:
+                n = min(left, COPY_CHUNK)
+                if src.source.read_into(src.file, pos, [self._wbuf[:n]]) < n:
+                    raise _shrank(src, pos, parts)
+                self._write(self._wbuf[:n])
+                pos += n
+                left -= n
+            return
         while left and self._cfr:
             try:
                 got = os.copy_file_range(fd, self._fh.fileno(), min(left, COPY_CHUNK), pos)
@@ -1022,7 +1046,8 @@ class _BackgroundWriter:
                 self._budget.seconds["verify"] = self._budget.seconds.get("verify", 0.0) + self._busy[2]
         for fds in self._fds:
             for fd in fds.values():
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
             fds.clear()
         with contextlib.suppress(OSError):
             os.close(self._rfd)

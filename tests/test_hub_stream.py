@@ -1,0 +1,118 @@
+"""``convert org/model DST --stream`` against a Hub on loopback (tests/hub_server.py): the shards are read
+by range through the repo's ByteSource (mxfp4conv/io/source.py), never downloaded; the output is the
+local conversion's, byte for byte; every shard's sha256 is checked against the Hub's before DST
+appears. huggingface_hub's own client runs in a child process (HF_ENDPOINT is read at import)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from mxfp4conv.cli import cli as mxfp4conv_cli
+from tests.builders import build
+from tests.hub_server import HubServer, Request, hub
+from tests.test_hub_remote import cli
+
+CASES = [("ct-mxfp4", "quark"), ("modelopt-nvfp4", "ct"), ("gpt-oss", "marlin")]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[HubServer]:
+    with hub() as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def repos(server: HubServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("stream-src")
+    out = {}
+    for layout, _ in CASES:
+        src = build(layout, root / layout, shards=2, hidden=128, inter=64, experts=4)
+        (src / ".gitattributes").write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+        server.add_repo(f"org/{layout}", src)
+        out[layout] = src
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _fresh(server: HubServer) -> Iterator[None]:
+    server.clear_log()
+    server.faults.clear()
+    yield
+    server.faults.clear()
+
+
+def files(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "mxfp4conv.json"}
+
+
+def shard_get(r: Request) -> bool:
+    return r.host == "cdn" and r.method == "GET"
+
+
+@pytest.mark.parametrize(("layout", "target"), CASES)
+def test_a_streamed_conversion_is_the_local_conversion(server: HubServer, repos: dict[str, Path], tmp_path: Path,
+                                                       layout: str, target: str) -> None:
+    res = CliRunner().invoke(mxfp4conv_cli, ["convert", str(repos[layout]), str(tmp_path / "local"), "--to", target,
+                                             "--device", "cpu"])
+    assert res.exit_code == 0, res.stderr
+    got = cli(server, tmp_path / "cache", "convert", f"org/{layout}", str(tmp_path / "streamed"), "--to", target,
+              "--device", "cpu", "--stream", "--json")
+    assert got.returncode == 0, got.stderr
+    assert files(tmp_path / "streamed") == files(tmp_path / "local")  # every file, .gitattributes too
+    doc = json.loads(got.stdout)
+    manifest = json.loads(next((tmp_path / "streamed").rglob("mxfp4conv.json")).read_text())
+    local = json.loads(next((tmp_path / "local").rglob("mxfp4conv.json")).read_text())
+    assert manifest["source"]["repo_id"] == f"org/{layout}" and manifest["source"]["revision"] == doc["hub"]["commit"]
+    assert manifest["fingerprint"] == local["fingerprint"]  # the same source, read remotely or locally
+    shards = sorted(p.name for p in repos[layout].glob("*.safetensors"))
+    assert sorted(doc["hub"]["files"]) == shards
+    assert all(doc["hub"]["files"][n] == hashlib.sha256((repos[layout] / n).read_bytes()).hexdigest() for n in shards)
+    # no shard was downloaded: every shard request was a range, and nothing of them is in the cache
+    assert all(r.range for r in server.requests(shard_get))
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))
+
+
+@pytest.mark.parametrize("where", ["a conversion read", "the check's read"])
+def test_a_corrupted_byte_is_never_published(server: HubServer, repos: dict[str, Path], tmp_path: Path,
+                                             where: str) -> None:
+    """One byte of one answer flipped, in a range the conversion used or in the check's own second read of
+    the whole shard: the two reads differ (or the shard's sha256 is not the Hub's): one line, exit 1, no
+    DST, even with --no-verify."""
+    shard = repos["ct-mxfp4"] / "model-00001-of-00002.safetensors"
+    whole = f"bytes=0-{shard.stat().st_size - 1}"
+    blob = hashlib.sha256(shard.read_bytes()).hexdigest()  # the CDN serves a blob by its sha256
+
+    def target(r: Request) -> bool:
+        if not shard_get(r) or blob not in r.path:
+            return False
+        return r.range == whole if where == "the check's read" else not (r.range or "").startswith("bytes=0-")
+
+    fault = server.fault("corrupt", target)
+    got = cli(server, tmp_path / "cache", "convert", "org/ct-mxfp4", str(tmp_path / "out"), "--to", "quark",
+              "--device", "cpu", "--stream", "--no-verify")
+    assert fault.hits == 1, "the fault never fired"
+    assert got.returncode == 1, got.stderr
+    lines = [ln for ln in got.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "corrupted" in lines[0] and shard.name in lines[0], got.stderr
+    assert "Traceback" not in got.stderr
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.mxfp4conv-staging*"))
+
+
+def test_reads_recover_from_transient_faults(server: HubServer, repos: dict[str, Path], tmp_path: Path) -> None:
+    for kind in ("503", "drop", "short"):
+        server.fault(kind, lambda r: shard_get(r) and "bytes=0-" not in (r.range or ""))
+    got = cli(server, tmp_path / "cache", "convert", "org/modelopt-nvfp4", str(tmp_path / "out"), "--to", "ct",
+              "--device", "cpu", "--stream")
+    assert got.returncode == 0, got.stderr
+    assert all(f.hits == 1 for f in server.faults), [(f.kind, f.hits) for f in server.faults]
+    res = CliRunner().invoke(mxfp4conv_cli, ["convert", str(repos["modelopt-nvfp4"]), str(tmp_path / "local"),
+                                             "--to", "ct", "--device", "cpu"])
+    assert res.exit_code == 0
+    assert files(tmp_path / "out") == files(tmp_path / "local")
