@@ -116,3 +116,11 @@ def test_reads_recover_from_transient_faults(server: HubServer, repos: dict[str,
                                              "--to", "ct", "--device", "cpu"])
     assert res.exit_code == 0
     assert files(tmp_path / "out") == files(tmp_path / "local")
+
+
+@pytest.mark.parametrize("extra", [["--partition", "0/2"], ["--finish"], ["--ray", "127.0.0.1:1"]])
+def test_stream_refuses_what_it_cannot_check_yet(tmp_path: Path, extra: list[str]) -> None:
+    """Partitions would each check only the ranges they read: refused before any work, exit 2."""
+    res = CliRunner().invoke(mxfp4conv_cli, ["convert", "org/model", str(tmp_path / "out"), "--stream", *extra])
+    assert res.exit_code == 2, res.output
+    assert "--stream" in res.stderr and not (tmp_path / "out").exists()
