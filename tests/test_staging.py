@@ -14,7 +14,7 @@ from mxfp4conv.errors import StagingError
 from mxfp4conv.job import ConvertOptions
 from mxfp4conv.staging import ShardFinisher, prepare_staging, progress_file, reuse
 
-FP = {"tool": "x", "source": {"a": 1}}
+FP: dict[str, object] = {"tool": "x", "source": {"a": 1}}
 
 
 def _progress(staging: Path, shards: dict[str, dict[str, str]], fingerprint: dict[str, object] = FP,
