@@ -13,7 +13,8 @@ and dropped connections are retried with backoff, a 403 from the redirect host (
 re-resolves the file; a link to another host gets no token.
 
 A ``RemoteRepo`` is also a ``ByteSource`` (``io/source.py``): a conversion reads a shard's tensors by
-range (``convert --stream``), never storing the shard. The sha256 of every range handed to the
+range (``convert --stream``), never storing the shard, from ``BLOCK``-sized ranges each fetched once
+while it is kept (``CACHED_BLOCKS``). The sha256 of every range handed to the
 conversion is recorded; before anything is published, ``check_digests`` reads each shard once more in
 file order, compares its sha256 with the Hub's (an LFS file's oid) and every recorded range with the
 same bytes of that pass, so a byte that arrived corrupted in any read is found.
@@ -28,6 +29,7 @@ import os
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PosixPath
@@ -39,6 +41,11 @@ from mxfp4conv.errors import InputError, UsageError
 __all__ = ["HEAD_PROBE", "HubFile", "HubPath", "RemoteRepo", "offline", "open_repo", "split_revision"]
 
 HEAD_PROBE = 64 << 10  # the first range of each shard: its 8-byte length and (usually) the whole header
+# A conversion's reads are served from aligned blocks fetched once and kept a while (least recently
+# used first out): the writer, the hasher and the proof each read a carried range, and a unit's
+# tensors lie next to each other in its shard.
+BLOCK = 16 << 20
+CACHED_BLOCKS = 8
 RETRIES = 5  # per request, as huggingface_hub's http_backoff
 _REPO_REF = re.compile(r"^([A-Za-z0-9][\w.-]*/[\w.-]+)@([^\s@]+)$")
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
@@ -97,6 +104,8 @@ class RemoteRepo:
     # per file: (begin, end, sha256) of every range handed to a reader
     _served: dict[str, list[tuple[int, int, bytes]]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _blocks: OrderedDict[tuple[str, int], bytes] = field(default_factory=OrderedDict, repr=False)
+    _fetching: dict[tuple[str, int], threading.Event] = field(default_factory=dict, repr=False)
 
     @property
     def root(self) -> HubPath:
@@ -128,7 +137,8 @@ class RemoteRepo:
     def read_into(self, file: Path, offset: int, bufs: list[memoryview]) -> int:
         name = self.name_of(file)
         want = min(sum(len(b) for b in bufs), max(0, self.files[name].size - offset))
-        raw = self.read_range(name, offset, offset + want)
+        raw = b"".join(self._block(name, k)[max(offset, k * BLOCK) - k * BLOCK:min(offset + want, (k + 1) * BLOCK) - k * BLOCK]
+                       for k in range(offset // BLOCK, -(-(offset + want) // BLOCK))) if want else b""
         self._serve(name, offset, raw)
         data = memoryview(raw)
         at = 0
@@ -146,6 +156,32 @@ class RemoteRepo:
 
     def sha256(self, file: Path) -> str | None:
         return self.files[self.name_of(file)].sha256
+
+    def _block(self, name: str, k: int) -> bytes:
+        """Block ``k`` of the file (bytes ``[k * BLOCK, (k + 1) * BLOCK)``), fetched once while it is kept;
+        a reader asking for a block another is fetching waits for it."""
+        key = (name, k)
+        while True:
+            with self._lock:
+                got = self._blocks.get(key)
+                if got is not None:
+                    self._blocks.move_to_end(key)
+                    return got
+                ev = self._fetching.get(key)
+                if ev is None:
+                    ev = self._fetching[key] = threading.Event()
+                    break
+            ev.wait()
+        try:
+            got = self.read_range(name, k * BLOCK, min(self.files[name].size, (k + 1) * BLOCK))
+            with self._lock:
+                self._blocks[key] = got
+                while len(self._blocks) > CACHED_BLOCKS:
+                    self._blocks.popitem(last=False)
+            return got
+        finally:
+            with self._lock:
+                self._fetching.pop(key).set()
 
     def _serve(self, name: str, begin: int, body: bytes) -> None:
         """Record the sha256 of bytes handed to a reader, for ``check_digests``."""
