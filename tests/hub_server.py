@@ -141,6 +141,8 @@ class HubServer:
         self.write_token: str | None = None  # when set, the only token uploads and private reads accept
         self.creates: list[dict[str, Any]] = []  # the bodies of POST /api/repos/create
         self._lock = threading.Lock()
+        self.rate: float | None = None  # bytes per second of file bodies, all connections together (None: as fast as it can)
+        self._next_free = 0.0  # when the shared link is next free (time.monotonic)
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -356,8 +358,24 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         if self.command != "HEAD" and body:
-            self.wfile.write(body)
+            if self.hub.rate and content_type == "application/octet-stream":
+                self._paced(body)
+            else:
+                self.wfile.write(body)
             self._req.sent += len(body)
+
+    def _paced(self, body: bytes, piece: int = 1 << 20) -> None:
+        """Write ``body`` at the server's ``rate``, shared with every other connection (a throttled link)."""
+        hub = self.hub
+        assert hub.rate
+        for at in range(0, len(body), piece):
+            chunk = body[at:at + piece]
+            with hub._lock:
+                start = max(time.monotonic(), hub._next_free)
+                hub._next_free = start + len(chunk) / hub.rate
+                until = hub._next_free
+            self.wfile.write(chunk)
+            time.sleep(max(0.0, until - time.monotonic()))
 
     def _json(self, doc: Any, headers: dict[str, str] | None = None) -> None:
         self._send(200, json.dumps(doc).encode(), headers)
