@@ -19,7 +19,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 # the last one times the default command and --no-verify against llm-compressor (a few minutes)
 SCRIPTS = [["bench_requant_cpu.py"], ["bench_marlin.py"], ["bench_convert.py"],
-           ["bench_peer_llmcompressor.py", "--layers", "2", "--rounds", "3"]]
+           ["bench_peer_llmcompressor.py", "--layers", "2", "--rounds", "3"], ["bench_hub_stream.py"]]
 
 
 def main() -> None:
