@@ -243,6 +243,15 @@ class HubServer:
             self._httpd = None
 
 
+def fresh(server: HubServer) -> Iterator[None]:
+    """Each test starts with an empty log and no faults, and leaves none behind (a test module makes it
+    its autouse fixture: ``_fresh = pytest.fixture(autouse=True)(fresh)``, beside its ``server`` fixture)."""
+    server.clear_log()
+    server.faults.clear()
+    yield
+    server.faults.clear()
+
+
 @contextmanager
 def hub() -> Iterator[HubServer]:
     server = HubServer().start()

@@ -17,7 +17,7 @@ import pytest
 
 from mxfp4conv.manifest import MANIFEST
 from tests.builders import build
-from tests.hub_server import GITATTRIBUTES, HubServer, Request, hub
+from tests.hub_server import GITATTRIBUTES, HubServer, Request, fresh, hub
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_pushTOKENmarker0123456789"  # a marker: it must never appear in any output
@@ -36,12 +36,7 @@ def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build("gpt-oss", tmp_path_factory.mktemp("src") / "gpt", shards=2, hidden=256, inter=128, experts=8)
 
 
-@pytest.fixture(autouse=True)
-def _fresh(server: HubServer) -> Iterator[None]:
-    server.clear_log()
-    server.faults.clear()
-    yield
-    server.faults.clear()
+_fresh = pytest.fixture(autouse=True)(fresh)  # an empty log and no faults for each test
 
 
 def env(server: HubServer, home: Path, token: str | None = TOKEN) -> dict[str, str]:

@@ -20,7 +20,7 @@ from mxfp4conv.errors import InputError, UsageError
 from mxfp4conv.io.hub import HEAD_PROBE, HubPath, split_revision
 from mxfp4conv.io.safetensors_io import TensorRef, parse_header, read_header
 from tests.builders import build
-from tests.hub_server import HubServer, Request, hub
+from tests.hub_server import HubServer, Request, fresh, hub
 
 REPO = "tiny-org/tiny-gpt-oss"
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,12 +45,7 @@ def commit(server: HubServer, local: Path) -> str:
     return server.add_repo(REPO, local)
 
 
-@pytest.fixture(autouse=True)
-def _fresh(server: HubServer) -> Iterator[None]:
-    server.clear_log()
-    server.faults.clear()
-    yield
-    server.faults.clear()
+_fresh = pytest.fixture(autouse=True)(fresh)  # an empty log and no faults for each test
 
 
 def env(server: HubServer, cache: Path) -> dict[str, str]:

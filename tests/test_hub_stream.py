@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from mxfp4conv.cli import cli as mxfp4conv_cli
 from tests.builders import build
-from tests.hub_server import HubServer, Request, hub
+from tests.hub_server import HubServer, Request, fresh, hub
 from tests.test_hub_remote import cli
 
 CASES = [("ct-mxfp4", "quark"), ("modelopt-nvfp4", "ct"), ("gpt-oss", "marlin")]
@@ -39,12 +39,7 @@ def repos(server: HubServer, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     return out
 
 
-@pytest.fixture(autouse=True)
-def _fresh(server: HubServer) -> Iterator[None]:
-    server.clear_log()
-    server.faults.clear()
-    yield
-    server.faults.clear()
+_fresh = pytest.fixture(autouse=True)(fresh)  # an empty log and no faults for each test
 
 
 def files(folder: Path) -> dict[str, str]:

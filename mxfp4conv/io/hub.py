@@ -4,7 +4,7 @@ The revision is pinned once (``HfApi.repo_info`` gives the commit sha) and every
 that commit: the file list with sizes and LFS sha256 (``list_repo_tree(recursive=True)``), the small
 files through huggingface_hub's cache (``hf_hub_download(revision=sha)``), and each safetensors
 shard's header through Range GETs on the file's resolved location (``hf_hub_url`` +
-``get_hf_file_metadata``, then huggingface_hub's own HTTP session and ``http_backoff``): one
+``get_hf_file_metadata``, then huggingface_hub's own HTTP client and ``http_backoff``): one
 speculative range of ``HEAD_PROBE`` bytes that holds the 8-byte length and, usually, the whole
 header; a second range for the rest only when the header is larger. Every answer must be a 206 with
 the asked ``Content-Range`` and exactly that many bytes (a short body is an error, not data); no
