@@ -25,6 +25,7 @@ from mxfp4conv.errors import StagingError
 from mxfp4conv.io.atomic import remove_tree
 from mxfp4conv.io.checkpoint import PICKLE_SUFFIXES, Checkpoint
 from mxfp4conv.io.safetensors_io import BATCH_BYTES, CheckRange, FileSlice, ShardStream, st_dtype
+from mxfp4conv.io.source import ByteSource
 from mxfp4conv.job import Job, devices
 from mxfp4conv.manifest import MANIFEST
 from mxfp4conv.plan import PlannedShard, PlannedUnit, RankPlan
@@ -59,6 +60,15 @@ def interleave(sizes: list[list[int]]) -> list[tuple[int, int]]:
         if nxt[i] < len(sizes[i]):
             heapq.heappush(heap, (made[i] / totals[i], i))
     return order
+
+
+def _window_order(todo: list[tuple[PlannedShard, Path]]) -> list[tuple[int, int]]:
+    return interleave([[u.nbytes for u in shard.units] for shard, _ in todo])
+
+
+def _window_units(todo: list[tuple[PlannedShard, Path]]) -> list[PlannedUnit]:
+    """A window's units in the order they are produced."""
+    return [todo[i][0].units[k] for i, k in _window_order(todo)]
 
 
 def windows(n: int, most: int) -> list[range]:
@@ -135,19 +145,11 @@ class Conversion:
         every output file, sorted."""
         opts = self.job.opts
         try:
-            j = -1
-            for rank in self.job.output.ranks:
-                out_dir = self.staging / rank.folder if rank.folder else self.staging
-                out_dir.mkdir(exist_ok=True)
-                todo: list[tuple[PlannedShard, Path]] = []  # shards this run writes, in order
-                for shard in rank.shards:
-                    j += 1
-                    if opts.partition is not None and j % opts.partition[1] != opts.partition[0]:
-                        continue
-                    if not self._reuse(shard, out_dir / shard.file, finished.get(shard.rel)):
-                        todo.append((shard, out_dir / shard.file))
-                for group in windows(len(todo), SHARD_WINDOW):
-                    self._write_window([todo[g] for g in group], rank.ctx)
+            work = self._todo(finished)
+            self._expect(work)
+            for rank, out_dir, groups in work:
+                for group in groups:
+                    self._write_window(group, rank.ctx)
                     self.fin.settle(len(group))  # the previous window's shards, whose hash and fsync overlapped this one
                 self.fin.settle()
                 if opts.partition is None:
@@ -159,6 +161,49 @@ class Conversion:
             self.report.seconds[key] = self.report.seconds.get(key, 0.0) + secs
         self.report.bytes_written = self.done
         return dict(sorted(self.outputs.items()))
+
+    def _todo(self, finished: dict[str, dict[str, Any]]) -> list[tuple[RankPlan, Path, list[list[tuple[PlannedShard, Path]]]]]:
+        """Per rank, its folder and the windows of shards this run writes (those of its partition that
+        no earlier run finished), in the order they are written."""
+        opts = self.job.opts
+        work = []
+        j = -1
+        for rank in self.job.output.ranks:
+            out_dir = self.staging / rank.folder if rank.folder else self.staging
+            out_dir.mkdir(exist_ok=True)
+            todo: list[tuple[PlannedShard, Path]] = []
+            for shard in rank.shards:
+                j += 1
+                if opts.partition is not None and j % opts.partition[1] != opts.partition[0]:
+                    continue
+                if not self._reuse(shard, out_dir / shard.file, finished.get(shard.rel)):
+                    todo.append((shard, out_dir / shard.file))
+            work.append((rank, out_dir, [[todo[g] for g in group] for group in windows(len(todo), SHARD_WINDOW)]))
+        return work
+
+    def _expect(self, work: list[tuple[RankPlan, Path, list[list[tuple[PlannedShard, Path]]]]]) -> None:
+        """Tell each byte source the reads this run will make of it, in the order it makes them: a
+        unit's source tensors once, a copied range once by the writer, once by the hasher and once by
+        the proof."""
+        copies = 3 if self.verifier is not None else 2
+        ckpt = self.job.ckpt
+        reads: dict[int, tuple[ByteSource, list[tuple[Path, int, int, int]]]] = {}
+
+        def add(source: ByteSource, file: Path, begin: int, end: int, times: int) -> None:
+            reads.setdefault(id(source), (source, []))[1].append((file, begin, end, times))
+
+        for _, _, groups in work:
+            for group in groups:
+                for unit in _window_units(group):
+                    if unit.direct is not None:
+                        for s in unit.direct:
+                            add(s.source, s.file, s.begin, s.begin + s.length, copies)
+                        continue
+                    for name in unit.spec.sources:
+                        if (ref := ckpt.tensors.get(name)) is not None:
+                            add(ref.source, ref.file, ref.begin, ref.end, 1)
+        for source, planned in reads.values():
+            source.expect(planned)
 
     def _reuse(self, shard: PlannedShard, path: Path, rec: dict[str, Any] | None) -> bool:
         """Take a shard an earlier run finished, if its bytes still hash as recorded."""
@@ -193,7 +238,7 @@ class Conversion:
     def _write_window(self, todo: list[tuple[PlannedShard, Path]], ctx: WriterContext) -> None:
         """Produce a window of shards at once, their units interleaved; each shard is handed to the
         finisher (hash, checks and fsync finishing on its threads) once its last unit is queued."""
-        order = interleave([[u.nbytes for u in shard.units] for shard, _ in todo])
+        order = _window_order(todo)
         opened: list[_OpenShard] = []
         try:
             for shard, path in todo:

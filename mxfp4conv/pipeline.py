@@ -162,16 +162,20 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
     verifier = InlineVerifier(target, str(src), str(dst)) if opts.verify else None
     try:
         run = Conversion(job, staging, report, fingerprint, verifier, on_progress)
-        outputs = run.write(finished)
         repo = job.ckpt.remote
-        if repo is not None:
-            # every shard's bytes against the Hub's sha256 before anything is published (partitions
-            # read only their own shards' ranges: --finish checks them all)
+        if repo is None:
+            outputs = run.write(finished)
+        else:
+            # the shards fetched once, in order, while the conversion reads them; every shard's bytes
+            # against the Hub's sha256 before anything is published
             names = [repo.name_of(f) for f in job.ckpt.shard_files]
-            checked = repo.check_digests(names) if opts.partition is None else 0
+            with repo.streaming(names) as stream:
+                outputs = run.write(finished)
+                digests = stream.finish()
             report.hub = {"repo_id": repo.repo_id, "revision": repo.revision, "commit": repo.commit,
-                          "bytes_fetched": repo.fetched, "bytes_read_to_check": checked,
-                          "files": {n: repo.files[n].sha256 for n in names}}
+                          "bytes_fetched": repo.fetched, "bytes_fetched_again": stream.refetched,
+                          "bytes_held_peak": stream.peak,
+                          "files": digests}
         if opts.partition is not None:
             report.status = "partial"
             report.seconds["total"] = time.perf_counter() - t_start

@@ -38,6 +38,7 @@ the body bytes sent and received, so a test can count what a client fetched and 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import re
@@ -72,11 +73,11 @@ class Blob:
     data: bytes
     lfs: bool
 
-    @property
+    @functools.cached_property  # the Hub answers from its records: never hashed per request
     def sha256(self) -> str:
         return hashlib.sha256(self.data).hexdigest()
 
-    @property
+    @functools.cached_property
     def git_oid(self) -> str:
         """The git blob id of the file (an LFS file's blob is its pointer file, as on the Hub)."""
         body = self.pointer if self.lfs else self.data

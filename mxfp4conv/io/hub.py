@@ -12,40 +12,35 @@ multi-range requests. 429 waits as huggingface_hub does (its RateLimit / Retry-A
 and dropped connections are retried with backoff, a 403 from the redirect host (an expired link)
 re-resolves the file; a link to another host gets no token.
 
-A ``RemoteRepo`` is also a ``ByteSource`` (``io/source.py``): a conversion reads a shard's tensors by
-range (``convert --stream``), never storing the shard, from ``BLOCK``-sized ranges each fetched once
-while it is kept (``CACHED_BLOCKS``). The sha256 of every range handed to the
-conversion is recorded; before anything is published, ``check_digests`` reads each shard once more in
-file order, compares its sha256 with the Hub's (an LFS file's oid) and every recorded range with the
-same bytes of that pass, so a byte that arrived corrupted in any read is found.
+A ``RemoteRepo`` is also a ``ByteSource`` (``io/source.py``): while a conversion runs
+(``streaming``), its shards' bytes come from one ``OrderedFetch`` (``io/fetch.py``): each shard
+fetched once, in file order, by several connections, hashed as it arrives and compared with the
+Hub's sha256 (an LFS file's oid) before anything is published; the conversion's reads are served
+from the fetched blocks, never from a stored copy of the shard. The headers the plan was made from
+must be the bytes of that pass too.
 
 Errors are ``InputError`` (exit 1), one line naming ``org/model@sha/<file>``.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import os
 import re
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PosixPath
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from mxfp4conv.errors import InputError, UsageError
+from mxfp4conv.io.fetch import OrderedFetch
 
 __all__ = ["HEAD_PROBE", "HubFile", "HubPath", "RemoteRepo", "offline", "open_repo", "split_revision"]
 
 HEAD_PROBE = 64 << 10  # the first range of each shard: its 8-byte length and (usually) the whole header
-# A conversion's reads are served from aligned blocks fetched once and kept a while (least recently
-# used first out): the writer, the hasher and the proof each read a carried range, and a unit's
-# tensors lie next to each other in its shard.
-BLOCK = 16 << 20
-CACHED_BLOCKS = 8
 RETRIES = 5  # per request, as huggingface_hub's http_backoff
 _REPO_REF = re.compile(r"^([A-Za-z0-9][\w.-]*/[\w.-]+)@([^\s@]+)$")
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
@@ -101,11 +96,11 @@ class RemoteRepo:
     token: str | bool | None = None
     fetched: int = 0  # body bytes read so far (header ranges and, when converting, tensor data)
     _meta: dict[str, Any] = field(default_factory=dict, repr=False)
-    # per file: (begin, end, sha256) of every range handed to a reader
-    _served: dict[str, list[tuple[int, int, bytes]]] = field(default_factory=dict, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _blocks: OrderedDict[tuple[str, int], bytes] = field(default_factory=OrderedDict, repr=False)
-    _fetching: dict[tuple[str, int], threading.Event] = field(default_factory=dict, repr=False)
+    # bytes read outside a stream (headers, by file): the stream's bytes must be the same
+    _claims: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict, repr=False)
+    _headers: dict[str, bytes] = field(default_factory=dict, repr=False)
+    _stream: OrderedFetch | None = field(default=None, repr=False)
+    _count: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards ``fetched``
 
     @property
     def root(self) -> HubPath:
@@ -133,20 +128,37 @@ class RemoteRepo:
             raise InputError("is not a file of this repo", file=text)
         return text[len(root) + 1:]
 
+    @contextlib.contextmanager
+    def streaming(self, names: list[str], on_fetch: Callable[[int], None] | None = None) -> Iterator[OrderedFetch]:
+        """Files ``names`` read through one in-order fetch while the block runs; ``finish`` on the stream
+        checks them against the Hub's sha256."""
+        stream = OrderedFetch({n: (self.files[n].size, self.files[n].sha256) for n in names}, self.read_range,
+                              claims=self._claims, label=lambda n: str(self.path(n)), on_fetch=on_fetch)
+        self._stream = stream
+        try:
+            yield stream
+        finally:
+            self._stream = None
+            stream.close()
+
     # the ByteSource interface (io/source.py)
     def read_into(self, file: Path, offset: int, bufs: list[memoryview]) -> int:
         name = self.name_of(file)
+        if self._stream is not None and self._stream.has(name):
+            return self._stream.read_into(name, offset, bufs)
         want = min(sum(len(b) for b in bufs), max(0, self.files[name].size - offset))
-        raw = b"".join(self._block(name, k)[max(offset, k * BLOCK) - k * BLOCK:min(offset + want, (k + 1) * BLOCK) - k * BLOCK]
-                       for k in range(offset // BLOCK, -(-(offset + want) // BLOCK))) if want else b""
-        self._serve(name, offset, raw)
-        data = memoryview(raw)
+        raw = self.read_range(name, offset, offset + want)
+        self._claims.setdefault(name, []).append((offset, raw))
         at = 0
-        for b in bufs:
-            n = min(len(b), len(data) - at)
-            b[:n] = data[at:at + n]
+        for buf in bufs:
+            n = min(len(buf), len(raw) - at)
+            buf[:n] = raw[at:at + n]
             at += n
         return at
+
+    def expect(self, reads: Iterable[tuple[Path, int, int, int]]) -> None:
+        if self._stream is not None:
+            self._stream.expect((self.name_of(f), b, e, n) for f, b, e, n in reads)
 
     def descriptor(self, file: Path) -> int | None:
         return None  # no local file: bytes are read into buffers
@@ -157,84 +169,18 @@ class RemoteRepo:
     def sha256(self, file: Path) -> str | None:
         return self.files[self.name_of(file)].sha256
 
-    def _block(self, name: str, k: int) -> bytes:
-        """Block ``k`` of the file (bytes ``[k * BLOCK, (k + 1) * BLOCK)``), fetched once while it is kept;
-        a reader asking for a block another is fetching waits for it."""
-        key = (name, k)
-        while True:
-            with self._lock:
-                got = self._blocks.get(key)
-                if got is not None:
-                    self._blocks.move_to_end(key)
-                    return got
-                ev = self._fetching.get(key)
-                if ev is None:
-                    ev = self._fetching[key] = threading.Event()
-                    break
-            ev.wait()
-        try:
-            got = self.read_range(name, k * BLOCK, min(self.files[name].size, (k + 1) * BLOCK))
-            with self._lock:
-                self._blocks[key] = got
-                while len(self._blocks) > CACHED_BLOCKS:
-                    self._blocks.popitem(last=False)
-            return got
-        finally:
-            with self._lock:
-                self._fetching.pop(key).set()
-
-    def _serve(self, name: str, begin: int, body: bytes) -> None:
-        """Record the sha256 of bytes handed to a reader, for ``check_digests``."""
-        if body:
-            digest = hashlib.sha256(body).digest()
-            with self._lock:
-                self._served.setdefault(name, []).append((begin, begin + len(body), digest))
-
-    def check_digests(self, names: list[str], chunk: int = 64 << 20) -> int:
-        """Read each file once more in order: its sha256 must be the Hub's, and every range handed to a
-        reader must hold the bytes of this pass. ``InputError`` naming the first file (and range) that
-        differs; returns the bytes read."""
-        total = 0
-        for name in names:
-            info = self.files[name]
-            with self._lock:
-                served = sorted(self._served.get(name, ()))
-            whole = hashlib.sha256()
-            active: list[tuple[int, int, bytes, Any]] = []
-            nxt = 0
-            for c0 in range(0, info.size, chunk):
-                c1 = min(info.size, c0 + chunk)
-                body = memoryview(self.read_range(name, c0, c1))
-                total += c1 - c0
-                whole.update(body)
-                while nxt < len(served) and served[nxt][0] < c1:
-                    b, e, d = served[nxt]
-                    active.append((b, e, d, hashlib.sha256()))
-                    nxt += 1
-                left = []
-                for b, e, d, h in active:
-                    h.update(body[max(b, c0) - c0:min(e, c1) - c0])
-                    if e > c1:
-                        left.append((b, e, d, h))
-                    elif h.digest() != d:
-                        raise InputError(f"bytes {b}-{e - 1} as first read differ from a second read", file=str(self.path(name)),
-                                         hint="nothing was published; the download was corrupted: run the command again")
-                active = left
-            if info.sha256 is not None and whole.hexdigest() != info.sha256:
-                raise InputError(f"the bytes read have sha256 {whole.hexdigest()}, the Hub records {info.sha256}",
-                                 file=str(self.path(name)),
-                                 hint="nothing was published; the download was corrupted or the repo changed: run the command again")
-        return total
-
     def read_header_bytes(self, name: str) -> bytes:
         """The first ``8 + n`` bytes of a safetensors file (its length and JSON header), or fewer when
-        the length is invalid (the parser names the problem), in at most two Range GETs."""
+        the length is invalid (the parser names the problem), in at most two Range GETs, once."""
+        if name in self._headers:
+            return self._headers[name]
         size = self.files[name].size
         first = self.read_range(name, 0, min(size, HEAD_PROBE))
         end = 8 + int.from_bytes(first[:8], "little") if len(first) >= 8 else 0
         if len(first) >= 8 and len(first) < end <= min(size, 8 + (100 << 20)):
             first += self.read_range(name, len(first), end)
-        self._serve(name, 0, first)  # what the plan is made from: checked with the tensors' bytes
+        self._headers[name] = first
+        self._claims.setdefault(name, []).append((0, first))  # what the plan is made from: checked by the stream
         return first
 
     def read_range(self, name: str, begin: int, end: int) -> bytes:
@@ -263,7 +209,8 @@ class RemoteRepo:
                 raise InputError(f"cannot read bytes {begin}-{end - 1}: {_why(exc)}", file=where,
                                  hint="check the network and run the command again") from exc
             body = resp.content
-            self.fetched += len(body)
+            with self._count:
+                self.fetched += len(body)
             if resp.status_code == 403 and not same_host:
                 last = "403"  # a presigned link past its expiry: resolve the file again
                 continue

@@ -5,12 +5,14 @@ the units' reads and the GPU reader (``read_parts``), the writer's copies and th
 carried ranges, and the proof's second read of them. ``LOCAL`` reads local files (``preadv``) and
 lends a descriptor for the kernel's own copies (``copy_file_range``, ``posix_fadvise``); a source
 whose bytes are not a local file (a Hub repo, ``io/hub.py``) lends none, and its bytes are read
-into buffers instead.
+into buffers instead. A conversion says beforehand which ranges it will read, in order (``expect``),
+so that a remote source can fetch each byte once, ahead of the reads.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -21,6 +23,9 @@ class ByteSource(Protocol):
     def read_into(self, file: Path, offset: int, bufs: list[memoryview]) -> int:
         """Fill ``bufs`` in order with the file's bytes from ``offset``: how many there were (fewer
         than asked only where the file ends)."""
+
+    def expect(self, reads: Iterable[tuple[Path, int, int, int]]) -> None:
+        """The reads ``(file, begin, end, times)`` about to come, in their order (a hint)."""
 
     def descriptor(self, file: Path) -> int | None:
         """A read-only descriptor of the file for the kernel's own copies and reads (the caller closes
@@ -42,6 +47,9 @@ class LocalFiles:
             return preadv_full(fd, bufs, offset)
         finally:
             os.close(fd)
+
+    def expect(self, reads: Iterable[tuple[Path, int, int, int]]) -> None:
+        pass  # the kernel's readahead and page cache serve local reads
 
     def descriptor(self, file: Path) -> int | None:
         return os.open(file, os.O_RDONLY)

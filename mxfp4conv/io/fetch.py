@@ -1,0 +1,334 @@
+"""Remote files read once, in file order, while a conversion reads them in its own order.
+
+A conversion reads a shard's tensors unit by unit (the plan's order), the writer and the proof read
+some ranges again, and every byte of every shard must be hashed in file order to be checked against
+the publisher's sha256. ``OrderedFetch`` serves all of them from one pass: each file is fetched in
+``block``-sized ranges, in file order, by several connections at once; each block is hashed into its
+file's sha256 as soon as the blocks before it are, and kept while the conversion still has planned
+reads of it (``expect``: the reads a run will make, in the order it makes them, with how many times).
+The fetch runs ahead of the reads within ``budget`` bytes of kept blocks; a read of a block not yet
+fetched fetches up to it at once.
+
+A block let go while planned reads remained (memory ran short) and then read again is fetched again
+and must hash as it first did; a read nothing planned, of a block already let go, is fetched alone
+and checked the same way; bytes read before the pass began (``claims``: the headers the plan was
+made from) must equal the pass's. So every byte handed to a reader is a byte of the one in-order
+pass whose sha256 is compared with the publisher's (``finish``).
+
+No HTTP here: ``get(name, begin, end)`` fetches a range (``io/hub.py`` gives huggingface_hub's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from mxfp4conv.errors import InputError
+
+__all__ = ["BLOCK", "BUDGET", "CONNECTIONS", "Corrupted", "OrderedFetch"]
+
+# 16 MiB ranges: a 700 GB release in ~45k requests, and small enough that a unit's neighbours in its
+# shard are not held long; four connections keep a throttled or distant link busy between them.
+BLOCK = 16 << 20
+CONNECTIONS = 4
+BUDGET = 512 << 20  # bytes of fetched blocks kept (ahead of the reads, or still to be read again)
+
+Key = tuple[str, int]
+
+
+class Corrupted(InputError):
+    """A file's bytes differ from its recorded sha256, or a range fetched twice differs."""
+
+
+@dataclass
+class _File:
+    size: int
+    sha256: str | None  # as its publisher records it
+    hasher: hashlib._Hash = field(default_factory=hashlib.sha256)
+    hashed: int = 0  # blocks hashed, in order
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one hasher at a time
+
+
+class OrderedFetch:
+    """Files ``name -> (size, sha256)`` read through ``get``; see the module docstring."""
+
+    def __init__(self, files: dict[str, tuple[int, str | None]], get: Callable[[str, int, int], bytes], *,
+                 claims: dict[str, list[tuple[int, bytes]]] | None = None, label: Callable[[str], str] = str,
+                 block: int = BLOCK, budget: int = BUDGET, connections: int = CONNECTIONS,
+                 on_fetch: Callable[[int], None] | None = None) -> None:
+        self._files = {n: _File(s, h) for n, (s, h) in files.items()}
+        self._claims = {n: list(c) for n, c in (claims or {}).items() if n in self._files}
+        self._get, self._label, self._block, self._budget = get, label, block, budget
+        self._connections, self._on_fetch = connections, on_fetch
+        self._cv = threading.Condition()
+        self._kept: dict[Key, bytes] = {}
+        self._inflight: set[Key] = set()
+        self._gone: set[Key] = set()  # hashed and let go
+        self._need: dict[Key, int] = {}  # planned bytes still to be read from the block
+        self._first: dict[Key, int] = {}  # the first planned read of the block (its rank in ``expect``)
+        self._digest: dict[Key, bytes] = {}  # sha256 of the block as first fetched
+        self._seq: list[Key] = []  # the fetch order
+        self._pos: dict[Key, int] = {}
+        self._nxt = 0
+        self._urgent = -1  # a reader waits for the block at this place of ``_seq``
+        self._wait_rank = -1  # the first planned read of the block it waits for
+        self._frontier: dict[str, int] = {}  # per file: blocks put in ``_seq`` so far
+        self._held = 0  # bytes kept or in flight
+        self._reads = 0  # planned reads so far (ranks ``_first``)
+        self._error: BaseException | None = None
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+        self.fetched = 0  # bytes fetched (each block once, unless fetched again)
+        self.refetched = 0
+        self.peak = 0  # most bytes kept or in flight at once
+
+    def has(self, name: str) -> bool:
+        return name in self._files
+
+    # planning ----------------------------------------------------------------------------------
+    def expect(self, reads: Iterable[tuple[str, int, int, int]]) -> None:
+        """Planned reads ``(name, begin, end, times)`` in the order they will come; blocks are fetched in
+        file order as far as each read needs, every file to its end after the last read."""
+        with self._cv:
+            for name, begin, end, times in reads:
+                if end <= begin or name not in self._files:
+                    continue
+                rank = self._reads
+                self._reads += 1
+                for k in range(begin // self._block, -(-end // self._block)):
+                    key = (name, k)
+                    lo, hi = max(begin, k * self._block), min(end, (k + 1) * self._block)
+                    self._need[key] = self._need.get(key, 0) + (hi - lo) * times
+                    self._first.setdefault(key, rank)
+                self._extend(name, -(-end // self._block))
+            for name in self._files:
+                self._extend(name, self._blocks(name))
+            self._cv.notify_all()
+        while len(self._threads) < self._connections:
+            t = threading.Thread(target=self._work, name=f"mxfp4conv-fetch-{len(self._threads)}", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _blocks(self, name: str) -> int:
+        return -(-self._files[name].size // self._block)
+
+    def _extend(self, name: str, upto: int) -> None:
+        for k in range(self._frontier.get(name, 0), min(upto, self._blocks(name))):
+            self._pos[(name, k)] = len(self._seq)
+            self._seq.append((name, k))
+        self._frontier[name] = max(self._frontier.get(name, 0), upto)
+
+    def _range(self, key: Key) -> tuple[int, int]:
+        name, k = key
+        return k * self._block, min(self._files[name].size, (k + 1) * self._block)
+
+    # reading -----------------------------------------------------------------------------------
+    def read_into(self, name: str, offset: int, bufs: list[memoryview]) -> int:
+        """Fill ``bufs`` with the file's bytes from ``offset`` (fewer only where the file ends)."""
+        want = min(sum(len(b) for b in bufs), max(0, self._files[name].size - offset))
+        at, i, into = 0, 0, 0
+        for k in range(offset // self._block, -(-(offset + want) // self._block)):
+            key = (name, k)
+            data = memoryview(self._take(key))
+            lo = max(offset, k * self._block) - k * self._block
+            hi = min(offset + want, (k + 1) * self._block) - k * self._block
+            piece = data[lo:hi]
+            while piece:
+                n = min(len(piece), len(bufs[i]) - into)
+                bufs[i][into:into + n] = piece[:n]
+                piece, into, at = piece[n:], into + n, at + n
+                if into == len(bufs[i]):
+                    i, into = i + 1, 0
+            del data
+            self._release(key, hi - lo)
+        return at
+
+    def _take(self, key: Key) -> bytes:
+        """The block's bytes: kept, being fetched (wait), next in the fetch order (fetched at once),
+        or fetched alone and checked against its first fetch."""
+        with self._cv:
+            while True:
+                self._raise()
+                got = self._kept.get(key)
+                if got is not None:
+                    return got
+                if key in self._inflight:
+                    self._cv.wait()
+                    continue
+                p = self._pos.get(key)
+                if key not in self._gone and p is not None and p >= self._nxt:
+                    if p > self._urgent:  # the fetch goes on to it whatever it keeps (see _evict_for)
+                        self._urgent = p
+                        self._wait_rank = self._first.get(key, -1)
+                        self._cv.notify_all()
+                    self._cv.wait()
+                    continue
+                break
+        data = self._fetch(key)
+        with self._cv:
+            kept = self._need.get(key, 0) > 0 and key not in self._kept and key not in self._gone
+            if kept:
+                self._keep(key, data)
+        if kept:
+            self._hash(key[0])  # it may be the next block in order
+        return data
+
+    def _release(self, key: Key, n: int) -> None:
+        with self._cv:
+            if key in self._need:
+                self._need[key] -= n
+            self._drop_if_done(key)
+
+    def _drop_if_done(self, key: Key) -> None:
+        name, k = key
+        if key in self._kept and k < self._files[name].hashed and self._need.get(key, 0) <= 0:
+            b, e = self._range(key)
+            del self._kept[key]
+            self._held -= e - b
+            self._gone.add(key)
+            self._cv.notify_all()
+
+    def _keep(self, key: Key, data: bytes) -> None:
+        self._kept[key] = data
+        self._held += len(data)
+        self.peak = max(self.peak, self._held)
+        self._cv.notify_all()
+
+    # fetching ----------------------------------------------------------------------------------
+    def _fetch(self, key: Key) -> bytes:
+        """Fetch a block; a block fetched before must hash as it did then."""
+        name, _ = key
+        b, e = self._range(key)
+        data = self._get(name, b, e)
+        digest = hashlib.sha256(data).digest()
+        with self._cv:
+            self.fetched += len(data)
+            first = self._digest.get(key)
+            if first is None:
+                self._digest[key] = digest
+            else:
+                self.refetched += len(data)
+        if self._on_fetch is not None:
+            self._on_fetch(len(data))
+        if first is not None and first != digest:
+            exc = Corrupted(f"bytes {b}-{e - 1} differ between two fetches", file=self._label(name),
+                            hint="nothing was published; the download was corrupted: run the command again")
+            self._fail(exc)
+            raise exc
+        return data
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and self._error is None and not self._can_start():
+                    self._cv.wait()
+                if self._closed or self._error is not None:
+                    return
+                key = self._seq[self._nxt]
+                self._nxt += 1
+                taken = key in self._kept or key in self._gone  # by a reader's own fetch meanwhile
+                if not taken:
+                    self._evict()
+                    b, e = self._range(key)
+                    self._inflight.add(key)
+                    self._held += e - b
+            if not taken:
+                try:
+                    data = self._fetch(key)
+                except BaseException as exc:  # reported to every reader and to finish()
+                    self._fail(exc)
+                    return
+                with self._cv:
+                    self._inflight.discard(key)
+                    self._held -= len(data)
+                    if key not in self._kept:
+                        self._keep(key, data)
+            try:
+                self._hash(key[0])
+            except BaseException as exc:
+                self._fail(exc)
+                return
+
+    def _can_start(self) -> bool:
+        if self._nxt >= len(self._seq):
+            return False
+        return self._nxt <= self._urgent or self._held + self._block <= self._budget
+
+    def _evict(self) -> None:
+        """Over the budget (a reader is waiting): let go of kept, hashed blocks whose first planned read
+        comes after that of the block it waits for, latest first; they are fetched again when read."""
+        while self._held + self._block > self._budget:
+            cands = [c for c in self._kept
+                     if c[1] < self._files[c[0]].hashed and self._first.get(c, -1) > self._wait_rank]
+            if not cands:
+                return
+            victim = max(cands, key=lambda c: self._first[c])
+            b, e = self._range(victim)
+            del self._kept[victim]
+            self._held -= e - b
+
+    def _hash(self, name: str) -> None:
+        """Hash the file's blocks that are next in order and kept (one thread per file at a time)."""
+        f = self._files[name]
+        with f.lock:
+            while True:
+                key = (name, f.hashed)
+                with self._cv:
+                    data = self._kept.get(key)
+                if data is None:
+                    return
+                f.hasher.update(data)
+                self._check_claims(key, data)
+                with self._cv:
+                    f.hashed += 1
+                    self._drop_if_done(key)
+                    self._cv.notify_all()
+
+    def _check_claims(self, key: Key, data: bytes) -> None:
+        name, _ = key
+        b, e = self._range(key)
+        for cb, cbytes in self._claims.get(name, ()):
+            lo, hi = max(b, cb), min(e, cb + len(cbytes))
+            if lo < hi and data[lo - b:hi - b] != cbytes[lo - cb:hi - cb]:
+                raise Corrupted(f"bytes {cb}-{cb + len(cbytes) - 1} as first read differ from a second read",
+                                file=self._label(name),
+                                hint="nothing was published; the download was corrupted: run the command again")
+
+    # the end -----------------------------------------------------------------------------------
+    def finish(self) -> dict[str, str]:
+        """Wait for the rest of every file and check each against its recorded sha256: each file's
+        sha256; ``Corrupted`` naming the first that differs."""
+        with self._cv:
+            self._urgent = len(self._seq)  # nothing reads any more: fetch the rest regardless of the budget
+            self._cv.notify_all()
+            while self._error is None and any(f.hashed < self._blocks(n) for n, f in self._files.items()):
+                self._cv.wait()
+            self._raise()
+        out = {}
+        for name, f in self._files.items():
+            got = f.hasher.hexdigest()
+            if f.sha256 is not None and got != f.sha256:
+                raise Corrupted(f"the bytes read have sha256 {got}, the Hub records {f.sha256}", file=self._label(name),
+                                hint="nothing was published; the download was corrupted or the repo changed: "
+                                     "run the command again")
+            out[name] = got
+        return out
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._kept.clear()
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cv:
+            self._error = self._error or exc
+            self._cv.notify_all()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
