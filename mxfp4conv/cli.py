@@ -215,7 +215,9 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
         from mxfp4conv.push import PushOptions, current_output, push_output
 
         push = PushOptions.from_cli(push_to_hub, private, push_revision, commit_message, opts)
-        bar = None if as_json or not sys.stderr.isatty() else _progress_bar()
+        bar = None if as_json or not sys.stderr.isatty() else _progress_bar("converting", position=1 if stream else None)
+        # a Hub repo read by range: its bytes, their rate and the time left, above the output's bar
+        fetch_bar = None if bar is None or not stream else _progress_bar("streaming", position=0)
         # with --push-to-hub, a DST that already holds this conversion is pushed as it is (a push run again)
         report: ConvertReport | None = current_output(src, dst, opts) if push is not None else None
         if report is None and ray_address is not None:  # the units run on Ray's workers: this process only drives them
@@ -229,9 +231,11 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
         elif report is None:
             with _collector_settled_at_first_unit(bar) as progress:
                 try:
-                    report = convert(src, dst, opts, on_progress=progress)
+                    report = convert(src, dst, opts, on_progress=progress, on_fetch=fetch_bar)
                 finally:
                     progress(-1, -1)
+                    if fetch_bar is not None:
+                        fetch_bar(-1, -1)
         doc = report.to_dict()
         if push is not None:
             doc["push"] = push_output(dst, push, written_now=report.status == "converted").to_dict()
@@ -312,7 +316,8 @@ def _device(name: str) -> str:
     return name
 
 
-def _progress_bar() -> Callable[[int, int], None]:
+def _progress_bar(desc: str, position: int | None = None) -> Callable[[int, int], None]:
+    """A bar of bytes (done, total), with their rate and the time left; ``done < 0`` closes it."""
     from tqdm import tqdm
 
     bar: list[Any] = []
@@ -324,7 +329,7 @@ def _progress_bar() -> Callable[[int, int], None]:
             return
         if not bar:
             bar.append(tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, file=sys.stderr,
-                            desc="converting", dynamic_ncols=True))
+                            desc=desc, dynamic_ncols=True, position=position))
         bar[0].update(done - bar[0].n)
 
     return update

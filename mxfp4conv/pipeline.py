@@ -13,6 +13,7 @@ import hashlib
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,8 +114,10 @@ def check_hasher() -> None:
 REQUANT_NUMERICS = 2
 
 
-def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress: Progress | None = None) -> ConvertReport:
-    """Convert SRC into DST (see module docstring). Raises ``ConvertError`` subclasses."""
+def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress: Progress | None = None,
+            on_fetch: Progress | None = None) -> ConvertReport:
+    """Convert SRC into DST (see module docstring). Raises ``ConvertError`` subclasses. ``on_fetch``:
+    a Hub repo's shard bytes fetched so far and in all (``--stream``)."""
     t_start = time.perf_counter()
     # a GPU named outright starts (torch's import, CUDA) beside the planning; ``auto`` only once
     # the plan shows a requant, so renames never import torch
@@ -124,10 +127,11 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
     job = prepare(src, opts)
     if needs_device(job.ctx) and not early:
         _start_device(opts)
-    return _convert(src, Path(dst), job, t_start, on_progress)
+    return _convert(src, Path(dst), job, t_start, on_progress, on_fetch)
 
 
-def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: Progress | None) -> ConvertReport:
+def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: Progress | None,
+             on_fetch: Progress | None = None) -> ConvertReport:
     """``convert`` once SRC is planned: options resolved, then skip / dry run / write, prove, publish."""
     opts, ctx, plan, target = job.opts, job.ctx, job.plan, job.target
     opts = dataclasses.replace(opts, device=resolve_device(opts.device, needs_device(ctx)))
@@ -169,7 +173,7 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
             # the shards fetched once, in order, while the conversion reads them; every shard's bytes
             # against the Hub's sha256 before anything is published
             names = [repo.name_of(f) for f in job.ckpt.shard_files]
-            with repo.streaming(names) as stream:
+            with repo.streaming(names, _fetch_counter(sum(repo.files[n].size for n in names), on_fetch)) as stream:
                 outputs = run.write(finished)
                 digests = stream.finish()
             report.hub = {"repo_id": repo.repo_id, "revision": repo.revision, "commit": repo.commit,
@@ -216,6 +220,21 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
         raise
     report.seconds["total"] = time.perf_counter() - t_start
     return report
+
+
+def _fetch_counter(total: int, on_fetch: Progress | None) -> Callable[[int], None] | None:
+    """``on_fetch(done, total)`` from the fetch's threads, one call at a time."""
+    if on_fetch is None:
+        return None
+    lock = threading.Lock()
+    done = [0]
+
+    def count(n: int) -> None:
+        with lock:
+            done[0] += n
+            on_fetch(done[0], total)
+
+    return count
 
 
 def _start_device(opts: ConvertOptions) -> threading.Thread | None:

@@ -5,18 +5,26 @@ appears. huggingface_hub's own client runs in a child process (HF_ENDPOINT is re
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from tqdm import tqdm
 
 from mxfp4conv.cli import cli as mxfp4conv_cli
 from tests.builders import build
 from tests.hub_server import HubServer, Request, fresh, hub
-from tests.test_hub_remote import cli
+from tests.test_hub_remote import cli, env
 
 CASES = [("ct-mxfp4", "quark"), ("modelopt-nvfp4", "ct"), ("gpt-oss", "marlin")]
 
@@ -117,3 +125,32 @@ def test_stream_refuses_what_it_cannot_check_yet(tmp_path: Path, extra: list[str
     res = CliRunner().invoke(mxfp4conv_cli, ["convert", "org/model", str(tmp_path / "out"), "--stream", *extra])
     assert res.exit_code == 2, res.output
     assert "--stream" in res.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_terminal_sees_the_bytes_streamed_their_rate_and_the_time_left(server: HubServer, repos: dict[str, Path],
+                                                                         tmp_path: Path) -> None:
+    """On a terminal (a pseudo-terminal of 120 columns here) ``--stream`` shows a bar of the source's bytes
+    beside the output's: done of all, MB/s and the time left."""
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "mxfp4conv", "convert", "org/modelopt-nvfp4", str(tmp_path / "out"),
+                             "--to", "ct", "--device", "cpu", "--stream"], env=env(server, tmp_path / "cache"),
+                            stdout=subprocess.DEVNULL, stderr=follower)
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 1 << 16)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(leader)
+    assert proc.wait(timeout=120) == 0, out.decode(errors="replace")
+    lines = out.decode(errors="replace").replace("\r", "\n").splitlines()
+    size = sum(p.stat().st_size for p in repos["modelopt-nvfp4"].glob("*.safetensors"))
+    done = [ln for ln in lines if ln.startswith("streaming: 100%")]
+    shown = tqdm.format_sizeof(size, divisor=1000)
+    assert done and f"{shown}/{shown}" in done[-1], lines
+    assert "B/s]" in done[-1] and any(ln.startswith("converting: 100%") for ln in lines)
