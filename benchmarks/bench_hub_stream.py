@@ -5,10 +5,11 @@
 * ``mxfp4conv convert org/model DST --stream`` (no local copy of the source).
 
 Alternating rounds, each in fresh processes with an empty huggingface_hub cache; wall seconds, the
-bytes the server sent, and the disk each left behind (cache + output). One JSON line per run, then
-the medians and their ratios.
+bytes the server sent, the most disk in use meanwhile (cache + output, sampled every 0.2 s) and at the
+end, and the peak RSS of the converting process. One JSON line per run, then the medians and their
+ratios.
 
-    PYTHONPATH=. python3 benchmarks/bench_hub_stream.py [--layers 2] [--rate-mb 100] [--rounds 3]
+    PYTHONPATH=. python3 benchmarks/bench_hub_stream.py [--layout ct-nvfp4] [--layers 2] [--rate-mb 100] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,7 +34,7 @@ from gen_checkpoint import generate  # noqa: E402
 
 from tests.hub_server import hub  # noqa: E402
 
-REPO = "bench/qwen3-nvfp4"
+REPO = "bench/qwen3"
 
 
 def du(path: Path) -> int:
@@ -46,14 +49,47 @@ def env(url: str, cache: Path) -> dict[str, str]:
     return out
 
 
-def run(cmd: list[str], e: dict[str, str]) -> float:
-    t = time.perf_counter()
-    subprocess.run(cmd, check=True, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    return time.perf_counter() - t
+def run(cmd: list[str], e: dict[str, str]) -> tuple[float, int, str]:
+    """Wall seconds, the child's peak RSS in bytes (the kernel's accounting of that child: wait4), its
+    last stdout line."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=e, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode:
+            raise SystemExit(f"{cmd[:4]} failed: {err.read()[-2000:]}")
+        return wall, usage.ru_maxrss * 1024, (out.read().strip().splitlines() or [""])[-1]
+
+
+class DiskPeak:
+    """The most bytes under ``paths`` while the block runs."""
+
+    def __init__(self, *paths: Path) -> None:
+        self.paths, self.peak, self._stop = paths, 0, threading.Event()
+        self._t = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.2):
+            self.peak = max(self.peak, sum(du(p) for p in self.paths))
+
+    def __enter__(self) -> DiskPeak:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, sum(du(p) for p in self.paths))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--layout", default="ct-nvfp4", help="gen_checkpoint.py's layout of the repo")
+    ap.add_argument("--target", default="ct")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rate-mb", type=float, default=100.0, help="the Hub's rate, MB/s (all connections)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -61,9 +97,11 @@ def main() -> None:
     a = ap.parse_args()
     shutil.rmtree(a.work, ignore_errors=True)
     src = a.work / "src"
-    generate(src, "ct-nvfp4", a.layers)
+    generate(src, a.layout, a.layers)
     size = du(src)
     py = sys.executable
+    convert = [py, "-m", "mxfp4conv", "convert"]
+    flags = ["--to", a.target, "--device", "cpu"]
     rows: dict[str, list[dict[str, float]]] = {"download": [], "download+convert": [], "stream": []}
     with hub() as h:
         h.add_repo(REPO, src)
@@ -75,25 +113,26 @@ def main() -> None:
                 shutil.rmtree(out, ignore_errors=True)
                 e = env(h.url, cache)
                 h.clear_log()
-                if case == "stream":
-                    wall = run([py, "-m", "mxfp4conv", "convert", REPO, str(out), "--to", "ct", "--device", "cpu",
-                                "--stream"], e)
-                else:
-                    code = f"from huggingface_hub import snapshot_download; print(snapshot_download({REPO!r}))"
-                    t = time.perf_counter()
-                    folder = subprocess.run([py, "-c", code], check=True, env=e, capture_output=True,
-                                            text=True).stdout.strip().splitlines()[-1]
-                    wall = time.perf_counter() - t
-                    if case == "download+convert":
-                        wall += run([py, "-m", "mxfp4conv", "convert", folder, str(out), "--to", "ct", "--device",
-                                     "cpu"], e)
+                rss = 0
+                with DiskPeak(cache, out) as disk:
+                    if case == "stream":
+                        wall, rss, _ = run([*convert, REPO, str(out), *flags, "--stream"], e)
+                    else:
+                        code = f"from huggingface_hub import snapshot_download; print(snapshot_download({REPO!r}))"
+                        wall, _, folder = run([py, "-c", code], e)
+                        if case == "download+convert":
+                            more, rss, _ = run([*convert, folder, str(out), *flags], e)
+                            wall += more
                 doc = {"wall_s": round(wall, 2), "sent_gb": round(h.sent() / 1e9, 3),
-                       "disk_gb": round((du(cache) + du(out)) / 1e9, 3)}
+                       "disk_gb": round((du(cache) + du(out)) / 1e9, 3), "peak_disk_gb": round(disk.peak / 1e9, 3),
+                       "output_gb": round(du(out) / 1e9, 3), "rss_gb": round(rss / 1e9, 3)}
                 rows[case].append(doc)
-                print(json.dumps({"date": time.strftime("%Y-%m-%d"), "case": case, "round": r + 1,
-                                  "source_gb": round(size / 1e9, 3), "rate_mb_s": a.rate_mb, **doc}), flush=True)
+                print(json.dumps({"date": time.strftime("%Y-%m-%d"), "case": case, "round": r + 1, "layout": a.layout,
+                                  "layers": a.layers, "source_gb": round(size / 1e9, 3), "rate_mb_s": a.rate_mb, **doc}),
+                      flush=True)
     med = {case: statistics.median(d["wall_s"] for d in v) for case, v in rows.items()}
-    print(json.dumps({"case": "median", "source_gb": round(size / 1e9, 3), "rate_mb_s": a.rate_mb, "wall_s": med,
+    print(json.dumps({"case": "median", "layout": a.layout, "layers": a.layers, "source_gb": round(size / 1e9, 3),
+                      "rate_mb_s": a.rate_mb, "wall_s": med,
                       "stream_vs_download": round(med["stream"] / med["download"], 2),
                       "download_then_convert_vs_stream": round(med["download+convert"] / med["stream"], 2)}))
 

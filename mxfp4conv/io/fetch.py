@@ -33,7 +33,7 @@ __all__ = ["BLOCK", "BUDGET", "CONNECTIONS", "Corrupted", "OrderedFetch"]
 # shard are not held long; four connections keep a throttled or distant link busy between them.
 BLOCK = 16 << 20
 CONNECTIONS = 4
-BUDGET = 512 << 20  # bytes of fetched blocks kept (ahead of the reads, or still to be read again)
+BUDGET = 192 << 20  # bytes of fetched blocks kept (ahead of the reads, or still to be read again)
 
 Key = tuple[str, int]
 
