@@ -212,7 +212,7 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
                               verify=not no_verify, skip_if_current=skip_if_current, revision=revision, stream=stream, target_options=topts,
                               resume=resume, partition=_partition(partition), finish=finish,
                               devices=_device_list(devices))
-        from mxfp4conv.push import PushOptions, current_output, push_output
+        from mxfp4conv.push import PushOptions, ShardUploader, current_output, push_output
 
         push = PushOptions.from_cli(push_to_hub, private, push_revision, commit_message, opts)
         bar = None if as_json or not sys.stderr.isatty() else _progress_bar("converting", position=1 if stream else None)
@@ -228,17 +228,26 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
             finally:
                 if bar:
                     bar(-1, -1)
-        elif report is None:
+        uploaded: ShardUploader | None = None
+        if report is None:
+            # shards go up to the Hub while the conversion runs, each once it is finished
+            uploader = ShardUploader(push).start() if push is not None and not dry_run else None
             with _collector_settled_at_first_unit(bar) as progress:
                 try:
-                    report = convert(src, dst, opts, on_progress=progress, on_fetch=fetch_bar)
+                    report = convert(src, dst, opts, on_progress=progress, on_fetch=fetch_bar,
+                                     on_shard=uploader.add if uploader is not None else None)
+                except BaseException:
+                    if uploader is not None:
+                        uploader.close()
+                    raise
                 finally:
                     progress(-1, -1)
                     if fetch_bar is not None:
                         fetch_bar(-1, -1)
+            uploaded = uploader.finish() if uploader is not None else None
         doc = report.to_dict()
         if push is not None:
-            doc["push"] = push_output(dst, push, written_now=report.status == "converted").to_dict()
+            doc["push"] = push_output(dst, push, written_now=report.status == "converted", uploader=uploaded).to_dict()
         if as_json:
             _emit_json(doc)
         else:

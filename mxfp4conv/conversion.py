@@ -33,9 +33,10 @@ from mxfp4conv.staging import SHARD_WINDOW, ShardFinisher, json_bytes, progress_
 from mxfp4conv.units import UnitResult, unit_results
 from mxfp4conv.writers import WriterContext
 
-__all__ = ["Conversion", "Progress", "interleave", "windows"]
+__all__ = ["Conversion", "Progress", "ShardDone", "interleave", "windows"]
 
 Progress = Callable[[int, int], None]
+ShardDone = Callable[[str, Path, str], None]  # a shard finished: its path in DST, where it is now, its sha256
 # files of SRC that the writer makes itself, never copies
 _SKIP_FILES = {"config.json", "model.safetensors.index.json", "hf_quant_config.json", MANIFEST}
 
@@ -126,13 +127,16 @@ class Conversion:
     run recorded (``--resume``, ``--finish``), reused where their bytes still hash as recorded."""
 
     def __init__(self, job: Job, staging: Path, report: ConvertReport, fingerprint: dict[str, Any],
-                 verifier: InlineVerifier | None, on_progress: Progress | None = None) -> None:
+                 verifier: InlineVerifier | None, on_progress: Progress | None = None,
+                 on_shard: ShardDone | None = None) -> None:
         self.job, self.staging, self.report = job, staging, report
         self.verifier, self.on_progress = verifier, on_progress
         self.outputs: dict[str, str] = {}  # sha256 per output file
         self.reused = False  # a finished shard of an earlier run was taken
         self.done = 0  # output bytes produced (or reused)
-        self.fin = ShardFinisher(progress_file(staging, job.opts), fingerprint, self.outputs)
+        self.on_shard = on_shard
+        self.fin = ShardFinisher(progress_file(staging, job.opts), fingerprint, self.outputs,
+                                 None if on_shard is None else lambda rel, sha: on_shard(rel, staging / rel, sha))
         # the stream and end of the last unit with computed outputs (see ``_feed``)
         self._last: tuple[ShardStream, int] | None = None
         if job.needs_device and devices(job.opts)[0].startswith("cuda"):
@@ -166,6 +170,9 @@ class Conversion:
         """Per rank, its folder and the windows of shards this run writes (those of its partition that
         no earlier run finished), in the order they are written."""
         opts = self.job.opts
+        # a remote source's shards are read at the link's rate, far below what one shard's hasher takes:
+        # one shard at a time, so that the conversion reads one source shard at a time, in order
+        most = 1 if self.job.ckpt.remote is not None else SHARD_WINDOW
         work = []
         j = -1
         for rank in self.job.output.ranks:
@@ -178,7 +185,7 @@ class Conversion:
                     continue
                 if not self._reuse(shard, out_dir / shard.file, finished.get(shard.rel)):
                     todo.append((shard, out_dir / shard.file))
-            work.append((rank, out_dir, [[todo[g] for g in group] for group in windows(len(todo), SHARD_WINDOW)]))
+            work.append((rank, out_dir, [[todo[g] for g in group] for group in windows(len(todo), most)]))
         return work
 
     def _expect(self, work: list[tuple[RankPlan, Path, list[list[tuple[PlannedShard, Path]]]]]) -> None:
@@ -214,6 +221,8 @@ class Conversion:
             self.done += shard.nbytes
             self.fin.mine[shard.rel] = rec
             self.reused = True
+            if self.on_shard is not None:
+                self.on_shard(shard.rel, path, rec["sha256"])
             return True
         if self.job.opts.finish:
             raise StagingError(f"shard {shard.rel} is missing or damaged in the staging folder",

@@ -20,9 +20,10 @@ from typing import Any
 
 from mxfp4conv import __version__
 from mxfp4conv.check import InlineVerifier, check_structure
-from mxfp4conv.conversion import Conversion, Progress
+from mxfp4conv.conversion import Conversion, Progress, ShardDone
 from mxfp4conv.errors import OutputError, UsageError
 from mxfp4conv.inspect import SCHEMA_VERSION
+from mxfp4conv.io import fetch
 from mxfp4conv.io.atomic import check_destination, publish, remove_tree, staging_path
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.job import (  # re-exported: the options and helpers callers know from here
@@ -115,9 +116,10 @@ REQUANT_NUMERICS = 2
 
 
 def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress: Progress | None = None,
-            on_fetch: Progress | None = None) -> ConvertReport:
+            on_fetch: Progress | None = None, on_shard: ShardDone | None = None) -> ConvertReport:
     """Convert SRC into DST (see module docstring). Raises ``ConvertError`` subclasses. ``on_fetch``:
-    a Hub repo's shard bytes fetched so far and in all (``--stream``)."""
+    a Hub repo's shard bytes fetched so far and in all (``--stream``); ``on_shard``: each output shard
+    once it is written, hashed and checked (``--push-to-hub`` uploads it then)."""
     t_start = time.perf_counter()
     # a GPU named outright starts (torch's import, CUDA) beside the planning; ``auto`` only once
     # the plan shows a requant, so renames never import torch
@@ -127,11 +129,11 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
     job = prepare(src, opts)
     if needs_device(job.ctx) and not early:
         _start_device(opts)
-    return _convert(src, Path(dst), job, t_start, on_progress, on_fetch)
+    return _convert(src, Path(dst), job, t_start, on_progress, on_fetch, on_shard)
 
 
 def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: Progress | None,
-             on_fetch: Progress | None = None) -> ConvertReport:
+             on_fetch: Progress | None = None, on_shard: ShardDone | None = None) -> ConvertReport:
     """``convert`` once SRC is planned: options resolved, then skip / dry run / write, prove, publish."""
     opts, ctx, plan, target = job.opts, job.ctx, job.plan, job.target
     opts = dataclasses.replace(opts, device=resolve_device(opts.device, needs_device(ctx)))
@@ -165,7 +167,7 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
     keep_staging = opts.resume or opts.partition is not None or opts.finish
     verifier = InlineVerifier(target, str(src), str(dst)) if opts.verify else None
     try:
-        run = Conversion(job, staging, report, fingerprint, verifier, on_progress)
+        run = Conversion(job, staging, report, fingerprint, verifier, on_progress, on_shard)
         repo = job.ckpt.remote
         if repo is None:
             outputs = run.write(finished)
@@ -173,7 +175,11 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
             # the shards fetched once, in order, while the conversion reads them; every shard's bytes
             # against the Hub's sha256 before anything is published
             names = [repo.name_of(f) for f in job.ckpt.shard_files]
-            with repo.streaming(names, _fetch_counter(sum(repo.files[n].size for n in names), on_fetch)) as stream:
+            # a copied unit is written in the plan's order of its tensors, not in the order they lie in
+            # the shard (experts 0, 1, 2 against 0, 1, 10, 100): its source bytes are kept until written
+            copied = max((u.nbytes for _, s in job.output.shards() for u in s.units if u.direct is not None), default=0)
+            with repo.streaming(names, _fetch_counter(sum(repo.files[n].size for n in names), on_fetch),
+                                budget=fetch.BUDGET + copied) as stream:
                 outputs = run.write(finished)
                 digests = stream.finish()
             report.hub = {"repo_id": repo.repo_id, "revision": repo.revision, "commit": repo.commit,

@@ -1,14 +1,16 @@
-"""``convert ... --push-to-hub ORG/NAME``: the published DST uploaded to a Hugging Face repo in one commit.
+"""``convert ... --push-to-hub ORG/NAME``: the converted DST uploaded to a Hugging Face repo in one commit.
 
-What is pushed is exactly the verified output: the files DST's manifest lists (with the sha256 the
+What is committed is exactly the verified output: the files DST's manifest lists (with the sha256 the
 conversion recorded for each) and the manifest itself, after ``convert`` has published DST. The repo is
 made if missing (``create_repo(exist_ok=True)``, private with ``--private``), a branch with
-``--push-revision`` (``create_branch(exist_ok=True)``, from the default branch); each shard is then
-uploaded on its own (``preupload_lfs_files``: huggingface_hub asks the LFS batch endpoint first, which
-gives no upload action for an object the repo already holds, so an interrupted push sends again only
-the shards the Hub lacks), and one ``create_commit`` adds every file: the shards as uploaded LFS
-objects, the config files, index and manifest inline. Nothing is visible on the Hub before that
-commit, and the commit is all or nothing.
+``--push-revision`` (``create_branch(exist_ok=True)``, from the default branch). Each shard is uploaded
+on its own (``preupload_lfs_files``: huggingface_hub asks the LFS batch endpoint first, which gives no
+upload action for an object the repo already holds, so an interrupted push sends again only the
+shards the Hub lacks): while the conversion runs, as each shard is finished (``ShardUploader``, on a
+thread of its own), and after it for any that is not up yet. Then one ``create_commit`` adds every
+file: the shards as uploaded LFS objects, the config files, index and manifest inline. Nothing is
+visible on the Hub before that commit, and the commit is all or nothing: shards uploaded by a
+conversion that then fails are referenced by no commit.
 
 Re-running the same command resumes: a DST that already holds this conversion (its manifest matches
 this input and these options, as ``--skip-if-current`` checks) is not converted again; its files are
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import queue
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +38,7 @@ from mxfp4conv.manifest import MANIFEST
 from mxfp4conv.pipeline import ConvertOptions, ConvertReport, convert
 from mxfp4conv.staging import sha256_file
 
-__all__ = ["PushOptions", "PushReport", "current_output", "push_output"]
+__all__ = ["PushOptions", "PushReport", "ShardUploader", "current_output", "push_output"]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 RETRIES = 4  # create_repo / create_branch / repo_info on 429, 5xx and dropped connections
@@ -82,6 +86,7 @@ class PushReport:
     shards: int  # of them, uploaded one by one as LFS objects before the commit
     bytes: int  # the size of every file pushed
     seconds: float
+    uploaded_during_conversion: int = 0  # shards sent while the conversion ran (ShardUploader)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -98,19 +103,106 @@ def current_output(src: str, dst: str | Path, opts: ConvertOptions) -> ConvertRe
     return probe if probe.status == "skipped" else None
 
 
+class ShardUploader:
+    """Shards uploaded as the conversion finishes them (``add``, from the conversion's thread; the
+    uploads run on one thread of their own, in order). An upload that fails is left for
+    ``push_output`` to send again; ``uploaded`` holds those that are on the Hub."""
+
+    def __init__(self, opts: PushOptions) -> None:
+        self.opts = opts
+        self.uploaded: dict[str, Any] = {}  # path in the repo -> its CommitOperationAdd, uploaded
+        self.prepared: tuple[Any, str] | None = None  # the repo's info and the branch, once made
+        self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._fault: BaseException | None = None
+
+    def start(self) -> ShardUploader:
+        from huggingface_hub import HfApi
+
+        self._thread = threading.Thread(target=self._run, args=(HfApi(),), name="mxfp4conv-upload", daemon=True)
+        self._thread.start()
+        return self
+
+    def add(self, rel: str, path: Path, sha256: str) -> None:
+        """A finished shard (its path in the output, where it is now, its sha256). Its file is opened
+        here, while it is in the staging folder: the upload reads it even once DST is published (the
+        folder renamed) while shards are still going up."""
+        if not rel.endswith(".safetensors") or self._stop:
+            return
+        from huggingface_hub import CommitOperationAdd
+
+        try:
+            op = CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(path))
+            op.path_or_fileobj = open(path, "rb")  # noqa: SIM115 - closed once uploaded
+        except OSError:
+            return  # push_output sends it from DST
+        op.upload_info.sha256 = bytes.fromhex(sha256)  # hashed as written: not read again here
+        self._queue.put((rel, op))
+
+    def finish(self) -> ShardUploader:
+        """Wait for the uploads queued so far."""
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._fault is not None:
+            raise self._fault
+        return self
+
+    def close(self) -> None:
+        """Stop after the upload in progress (the conversion failed)."""
+        self._stop = True
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self, api: Any) -> None:
+        branch = self.opts.revision or "main"
+        ready = False  # the repo (and branch) made, at the first finished shard: none for a failed plan
+        while (job := self._queue.get()) is not None:
+            rel, op = job
+            try:
+                if self._stop:
+                    continue
+                if not ready:
+                    self.prepared = _prepare_repo(api, self.opts)
+                    ready = True
+                api.preupload_lfs_files(self.opts.repo_id, additions=[op], repo_type="model", revision=branch,
+                                        free_memory=False)
+                self.uploaded[rel] = op
+            except Exception as exc:
+                if not (_is_hub_error(exc) or isinstance(exc, OutputError | OSError)):
+                    self._fault = self._fault or exc  # not the Hub's or the disk's: raised by finish()
+                if not ready:
+                    self._stop = True  # no repo: push_output makes it again and says what failed
+                # otherwise push_output sends the shard again
+            finally:
+                op.path_or_fileobj.close()
+
+
 def push_output(dst: str | Path, opts: PushOptions, *, written_now: bool,
-                on_file: Callable[[str, int, int], None] | None = None) -> PushReport:
+                on_file: Callable[[str, int, int], None] | None = None,
+                uploader: ShardUploader | None = None) -> PushReport:
     """Push DST (published by ``convert``) to ``opts.repo_id``. ``written_now``: this run wrote DST, so
     the manifest's sha256 are those of the bytes just written and verified; otherwise every file is
-    hashed again and must match them. ``on_file(path, i, n)`` is called before each shard's upload."""
+    hashed again and must match them. ``uploader``: what the conversion's ``ShardUploader`` already
+    did (shards it sent are taken where their sha256 is the manifest's). ``on_file(path, i, n)`` is
+    called before each shard's upload."""
     t0 = time.perf_counter()
     dst = Path(dst)
     files = _files(dst, check=not written_now)
+    return _guarded(opts, lambda: _push(dst, files, opts, on_file, t0, uploader))
+
+
+def _guarded(opts: PushOptions, fn: Callable[[], T]) -> T:
+    """``fn``, with huggingface_hub's and httpx's errors (and ValueError on a malformed answer) as one
+    ``OutputError`` line."""
     try:
-        return _push(dst, files, opts, on_file, t0)
+        return fn()
     except OutputError:
         raise
-    except Exception as exc:  # huggingface_hub's and httpx's errors, and ValueError on a malformed answer
+    except Exception as exc:
         if not _is_hub_error(exc):
             raise
         raise OutputError(f"cannot push to the Hub: {_why(exc)}", file=opts.repo_id, hint=_hint(exc)) from exc
@@ -136,11 +228,8 @@ def _files(dst: Path, *, check: bool) -> dict[str, str | None]:
     return {**dict(sorted(outputs.items())), MANIFEST: None}
 
 
-def _push(dst: Path, files: dict[str, str | None], opts: PushOptions, on_file: Callable[[str, int, int], None] | None,
-          t0: float) -> PushReport:
-    from huggingface_hub import CommitOperationAdd, HfApi
-
-    api = HfApi()
+def _prepare_repo(api: Any, opts: PushOptions) -> tuple[Any, str]:
+    """The repo made if missing (private with --private), the branch made if named: (repo info, branch)."""
     repo = opts.repo_id
     _retrying(lambda: api.create_repo(repo, repo_type="model", private=True if opts.private else None, exist_ok=True))
     info = _retrying(lambda: api.repo_info(repo, repo_type="model"))
@@ -150,15 +239,31 @@ def _push(dst: Path, files: dict[str, str | None], opts: PushOptions, on_file: C
     branch = opts.revision or "main"
     if opts.revision is not None and opts.revision != "main":
         _retrying(lambda: api.create_branch(repo, branch=branch, repo_type="model", exist_ok=True))
+    return info, branch
 
+
+def _push(dst: Path, files: dict[str, str | None], opts: PushOptions, on_file: Callable[[str, int, int], None] | None,
+          t0: float, uploader: ShardUploader | None) -> PushReport:
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    api = HfApi()
+    repo = opts.repo_id
+    uploaded = uploader.uploaded if uploader is not None else {}
+    info, branch = uploader.prepared if uploader is not None and uploader.prepared else _prepare_repo(api, opts)
     ops = []
     for rel, sha in files.items():
+        up = uploaded.get(rel)
+        if up is not None and sha is not None and up.upload_info.sha256 == bytes.fromhex(sha):
+            ops.append(up)  # sent while the conversion ran: the commit names it by its sha256 and size
+            continue
         op = CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(dst / rel))
         if sha is not None:
             op.upload_info.sha256 = bytes.fromhex(sha)  # hashed as written: not read again here
         ops.append(op)
     shards = [op for op in ops if op.path_in_repo.endswith(".safetensors")]
     for i, op in enumerate(shards):
+        if op.path_in_repo in uploaded and op is uploaded[op.path_in_repo]:
+            continue
         if on_file is not None:
             on_file(op.path_in_repo, i, len(shards))
         try:
@@ -173,7 +278,8 @@ def _push(dst: Path, files: dict[str, str | None], opts: PushOptions, on_file: C
     done = api.create_commit(repo, operations=ops, commit_message=message, repo_type="model", revision=branch)
     return PushReport(repo_id=repo, revision=branch, commit=done.oid, commit_url=str(done.commit_url),
                       private=bool(info.private), files=len(ops), shards=len(shards),
-                      bytes=sum(op.upload_info.size for op in ops), seconds=round(time.perf_counter() - t0, 3))
+                      bytes=sum(op.upload_info.size for op in ops), seconds=round(time.perf_counter() - t0, 3),
+                      uploaded_during_conversion=sum(1 for op in shards if uploaded.get(op.path_in_repo) is op))
 
 
 def _default_message(dst: Path) -> str:

@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -87,8 +88,10 @@ class ShardFinisher:
     (``pending``), their queued bytes under one budget. A shard is recorded as finished
     (in the progress file that --resume reads) only once its digest is known."""
 
-    def __init__(self, progress_path: Path, fingerprint: dict[str, Any], outputs: dict[str, str]) -> None:
+    def __init__(self, progress_path: Path, fingerprint: dict[str, Any], outputs: dict[str, str],
+                 on_finished: Callable[[str, str], None] | None = None) -> None:
         self.progress_path = progress_path
+        self.on_finished = on_finished  # (shard, sha256) once recorded
         self.fingerprint = fingerprint
         self.outputs = outputs
         self.mine: dict[str, dict[str, Any]] = {}
@@ -105,6 +108,8 @@ class ShardFinisher:
             tmp = self.progress_path.with_suffix(".tmp")
             tmp.write_bytes(json_bytes({"fingerprint": self.fingerprint, "shards": self.mine}))
             os.replace(tmp, self.progress_path)
+            if self.on_finished is not None:
+                self.on_finished(rel, digest)
 
     def drain(self) -> None:
         for _, fut, _ in self.pending:

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from mxfp4conv.errors import InputError, UsageError
-from mxfp4conv.io.fetch import OrderedFetch
+from mxfp4conv.io.fetch import BUDGET, OrderedFetch
 
 __all__ = ["HEAD_PROBE", "HubFile", "HubPath", "RemoteRepo", "offline", "open_repo", "split_revision"]
 
@@ -129,11 +129,13 @@ class RemoteRepo:
         return text[len(root) + 1:]
 
     @contextlib.contextmanager
-    def streaming(self, names: list[str], on_fetch: Callable[[int], None] | None = None) -> Iterator[OrderedFetch]:
-        """Files ``names`` read through one in-order fetch while the block runs; ``finish`` on the stream
-        checks them against the Hub's sha256."""
+    def streaming(self, names: list[str], on_fetch: Callable[[int], None] | None = None, *,
+                  budget: int = BUDGET) -> Iterator[OrderedFetch]:
+        """Files ``names`` read through one in-order fetch while the block runs, keeping at most about
+        ``budget`` bytes of them; ``finish`` on the stream checks them against the Hub's sha256."""
         stream = OrderedFetch({n: (self.files[n].size, self.files[n].sha256) for n in names}, self.read_range,
-                              claims=self._claims, label=lambda n: str(self.path(n)), on_fetch=on_fetch)
+                              claims=self._claims, label=lambda n: str(self.path(n)), on_fetch=on_fetch,
+                              budget=budget)
         self._stream = stream
         try:
             yield stream
