@@ -136,7 +136,8 @@ class Conversion:
         self.done = 0  # output bytes produced (or reused)
         self.on_shard = on_shard
         self.fin = ShardFinisher(progress_file(staging, job.opts), fingerprint, self.outputs,
-                                 None if on_shard is None else lambda rel, sha: on_shard(rel, staging / rel, sha))
+                                 None if on_shard is None else lambda rel, sha: on_shard(rel, staging / rel, sha),
+                                 proven=verifier is not None)
         # the stream and end of the last unit with computed outputs (see ``_feed``)
         self._last: tuple[ShardStream, int] | None = None
         if job.needs_device and devices(job.opts)[0].startswith("cuda"):
@@ -144,10 +145,12 @@ class Conversion:
             # the writer busy; outputs written from the GPU (io/device_write) hold none of this budget
             self.fin.budget.limit = max(BATCH_BYTES, job.output.largest_unit())
 
-    def write(self, finished: dict[str, dict[str, Any]]) -> dict[str, str]:
+    def write(self, finished: dict[str, dict[str, Any]], checked: dict[str, str] | None = None) -> dict[str, str]:
         """Write every shard this run owns and each rank's config, index and extras: the sha256 of
-        every output file, sorted."""
+        every output file, sorted. ``checked``: remote source files an earlier run checked against
+        their publisher's sha256 (a shard of such a run is taken only if all of its sources were)."""
         opts = self.job.opts
+        self.fin.checked.update(checked or {})
         try:
             work = self._todo(finished)
             self._expect(work)
@@ -213,8 +216,9 @@ class Conversion:
             source.expect(planned)
 
     def _reuse(self, shard: PlannedShard, path: Path, rec: dict[str, Any] | None) -> bool:
-        """Take a shard an earlier run finished, if its bytes still hash as recorded."""
-        if reuse(path, rec):
+        """Take a shard an earlier run finished, if its bytes still hash as recorded (and, from a
+        remote source, every source file it was made from was checked against the Hub's sha256)."""
+        if reuse(path, rec) and self._sources_checked(rec):
             assert rec is not None
             self.outputs[shard.rel] = rec["sha256"]
             self.report.requant_stats.update(rec.get("stats", {}))
@@ -228,6 +232,24 @@ class Conversion:
             raise StagingError(f"shard {shard.rel} is missing or damaged in the staging folder",
                                hint="rerun the --partition i/n conversion that owns it (shard index mod n)")
         return False
+
+    def _sources_checked(self, rec: dict[str, Any] | None) -> bool:
+        repo = self.job.ckpt.remote
+        if repo is None or rec is None:
+            return True
+        names = rec.get("sources")
+        return isinstance(names, list) and all(
+            isinstance(n, str) and n in repo.files and self.fin.checked.get(n) == repo.files[n].sha256 for n in names)
+
+    def _sources(self, shard: PlannedShard) -> list[str]:
+        """The remote source files the shard's units read."""
+        repo = self.job.ckpt.remote
+        assert repo is not None
+        ckpt = self.job.ckpt
+        files = {s.file for u in shard.units for s in (u.direct or ())}
+        files |= {ckpt.tensors[n].file for u in shard.units if u.direct is None for n in u.spec.sources
+                  if n in ckpt.tensors}
+        return sorted(repo.name_of(f) for f in files)
 
     def _finish_rank(self, rank: RankPlan, out_dir: Path) -> None:
         """The rank's index, config and the source's other files; every file's sha256."""
@@ -252,6 +274,8 @@ class Conversion:
         try:
             for shard, path in todo:
                 remove_tree(path)
+                if self.job.ckpt.remote is not None:
+                    self.fin.sources[shard.rel] = self._sources(shard)
                 stream = ShardStream(path, [(t.name, t.dtype, t.shape) for t in shard.tensors],
                                      self.job.target.shard_metadata(ctx), self.fin.budget)
                 opened.append(_OpenShard(shard, path, stream))

@@ -73,10 +73,6 @@ class Job:
 def prepare(src: str | Path, opts: ConvertOptions) -> Job:
     """Open, detect, validate and plan SRC for ``opts.target``; ``InputError`` (the source, or a target it cannot
     be written to) / ``UsageError`` (an option) when it cannot be."""
-    if opts.stream and (opts.partition is not None or opts.finish):
-        # each partition would check only the ranges it read, and --finish none of them
-        raise UsageError("--stream does not combine with --partition or --finish yet",
-                         hint="convert the repo in one run, or without --stream")
     ckpt = open_checkpoint(src, opts.revision, remote=opts.stream)
     layout, plan, _ = analyze(ckpt)
     if plan.problems:

@@ -21,7 +21,7 @@ from typing import Any
 from mxfp4conv import __version__
 from mxfp4conv.check import InlineVerifier, check_structure
 from mxfp4conv.conversion import Conversion, Progress, ShardDone
-from mxfp4conv.errors import OutputError, UsageError
+from mxfp4conv.errors import OutputError, StagingError, UsageError
 from mxfp4conv.inspect import SCHEMA_VERSION
 from mxfp4conv.io import fetch
 from mxfp4conv.io.atomic import check_destination, publish, remove_tree, staging_path
@@ -163,7 +163,7 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
         return report
 
     staging = staging_path(dst)
-    finished = prepare_staging(staging, fingerprint, opts)
+    finished, checked = prepare_staging(staging, fingerprint, opts)
     keep_staging = opts.resume or opts.partition is not None or opts.finish
     verifier = InlineVerifier(target, str(src), str(dst)) if opts.verify else None
     try:
@@ -178,14 +178,17 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
             # a copied unit is written in the plan's order of its tensors, not in the order they lie in
             # the shard (experts 0, 1, 2 against 0, 1, 10, 100): its source bytes are kept until written
             copied = max((u.nbytes for _, s in job.output.shards() for u in s.units if u.direct is not None), default=0)
+            # a partition or a resumed run fetches only the files its shards read (each whole, to check it)
             with repo.streaming(names, _fetch_counter(sum(repo.files[n].size for n in names), on_fetch),
-                                budget=fetch.BUDGET + copied) as stream:
-                outputs = run.write(finished)
+                                budget=fetch.BUDGET + copied, on_checked=run.fin.check_source,
+                                every_file=not (opts.partition is not None or opts.finish or opts.resume)) as stream:
+                outputs = run.write(finished, checked)
                 digests = stream.finish()
+            # this run's checks, and those of earlier runs whose shards it took
+            shown = {n: d for n, d in run.fin.checked.items() if n in names} | digests
             report.hub = {"repo_id": repo.repo_id, "revision": repo.revision, "commit": repo.commit,
                           "bytes_fetched": repo.fetched, "bytes_fetched_again": stream.refetched,
-                          "bytes_held_peak": stream.peak,
-                          "files": digests}
+                          "bytes_held_peak": stream.peak, "files": dict(sorted(shown.items()))}
         if opts.partition is not None:
             report.status = "partial"
             report.seconds["total"] = time.perf_counter() - t_start
@@ -194,7 +197,9 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
             p.unlink()
         if verifier is not None:
             t0 = time.perf_counter()
-            if run.reused:  # shards of an earlier run (--resume, --finish): proven again, in full
+            if run.reused and repo is not None:
+                report.verify = _recorded_proof(run, verifier, job, staging)
+            elif run.reused:  # shards of an earlier run (--resume, --finish): proven again, in full
                 from mxfp4conv.verify import verify_output
 
                 report.verify = verify_output(job.ckpt.root, staging, job=job).to_dict()
@@ -226,6 +231,23 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
         raise
     report.seconds["total"] = time.perf_counter() - t_start
     return report
+
+
+def _recorded_proof(run: Conversion, verifier: InlineVerifier, job: Job, staging: Path) -> dict[str, Any]:
+    """The proof of a conversion from a remote source that took shards of earlier runs (--resume,
+    --finish): the source is not read again; each such shard must have been proven unit by unit as it
+    was written, from source files checked against the Hub's sha256 (``Conversion._reuse`` takes no
+    other). Headers are checked here as always."""
+    unproven = sorted(rel for rel, rec in run.fin.mine.items() if not rec.get("proven"))
+    if unproven:
+        raise StagingError(f"shard {unproven[0]} was written without its proof (--no-verify), and a remote "
+                           "source is not read again to prove it", hint="convert it again without --no-verify "
+                           "(its --partition i/n), or with --no-verify here")
+    check_structure(verifier, job, staging)
+    doc = verifier.report()
+    doc.update(units=sum(len(s.units) for _, s in job.output.shards()),
+               tensors=sum(len(s.tensors) for _, s in job.output.shards()), mode="inline, as each shard was written")
+    return doc
 
 
 def _fetch_counter(total: int, on_fetch: Progress | None) -> Callable[[int], None] | None:

@@ -132,18 +132,20 @@ def test_a_small_budget_fetches_again_and_checks_what_it_let_go() -> None:
     f.close()
 
 
-def test_a_corrupted_block_fails_finish() -> None:
+def test_a_corrupted_block_fails_its_file() -> None:
     files, reads = layout(4)
     store = Store(files)
     store.tamper = lambda n, b, d: d[:5] + bytes([d[5] ^ 0x80]) + d[6:] if (n, b) == ("a", 7 * BLOCK) else d
-    f = make(store)
+    checked: list[str] = []
+    f = OrderedFetch({n: (len(d), hashlib.sha256(d).hexdigest()) for n, d in files.items()}, store.get,
+                     block=BLOCK, on_checked=lambda name, _: checked.append(name))
     f.expect((n, b, e, 1) for n, b, e in reads)
-    for n, b, e in reads:
-        read(f, n, b, e)
-    with pytest.raises(Corrupted, match="sha256") as exc:
+    with pytest.raises(Corrupted, match="sha256") as exc:  # once the file's last block is hashed
+        for n, b, e in reads:
+            read(f, n, b, e)
         f.finish()
     f.close()
-    assert exc.value.file == "a"
+    assert exc.value.file == "a" and "a" not in checked
 
 
 def test_bytes_read_before_the_stream_must_be_the_streams() -> None:
@@ -219,3 +221,18 @@ def test_readers_on_several_threads() -> None:
     f.close()
     assert all(out[i] == files[n][b:e] for i, (n, b, e) in enumerate(reads))
     assert store.fetched() == sum(len(d) for d in files.values()) + f.refetched
+
+
+def test_a_partial_fetch_reads_and_checks_only_the_files_read() -> None:
+    files, reads = layout(9)
+    store = Store(files)
+    checked: dict[str, str] = {}
+    f = OrderedFetch({n: (len(d), hashlib.sha256(d).hexdigest()) for n, d in files.items()}, store.get, block=BLOCK,
+                     every_file=False, on_checked=checked.__setitem__)
+    only_b = [r for r in reads if r[0] == "b"]
+    f.expect((n, b, e, 1) for n, b, e in only_b)
+    for n, b, e in only_b:
+        assert read(f, n, b, e) == files[n][b:e]
+    assert f.finish() == checked == {"b": hashlib.sha256(files["b"]).hexdigest()}
+    f.close()
+    assert {n for n, _, _ in store.asked} == {"b"} and store.fetched() == len(files["b"])

@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import termios
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from tqdm import tqdm
 
 from mxfp4conv.cli import cli as mxfp4conv_cli
 from tests.builders import build
-from tests.hub_server import HubServer, Request, fresh, hub
+from tests.hub_server import Blob, HubServer, Request, fresh, hub
 from tests.test_hub_remote import cli, env
 
 CASES = [("ct-mxfp4", "quark"), ("modelopt-nvfp4", "ct"), ("gpt-oss", "marlin")]
@@ -119,12 +120,93 @@ def test_reads_recover_from_transient_faults(server: HubServer, repos: dict[str,
     assert files(tmp_path / "out") == files(tmp_path / "local")
 
 
-@pytest.mark.parametrize("extra", [["--partition", "0/2"], ["--finish"], ["--ray", "127.0.0.1:1"]])
-def test_stream_refuses_what_it_cannot_check_yet(tmp_path: Path, extra: list[str]) -> None:
-    """Partitions would each check only the ranges they read: refused before any work, exit 2."""
-    res = CliRunner().invoke(mxfp4conv_cli, ["convert", "org/model", str(tmp_path / "out"), "--stream", *extra])
+def test_ray_with_stream_is_refused(tmp_path: Path) -> None:
+    res = CliRunner().invoke(mxfp4conv_cli, ["convert", "org/model", str(tmp_path / "out"), "--stream", "--ray",
+                                             "127.0.0.1:1"])
     assert res.exit_code == 2, res.output
     assert "--stream" in res.stderr and not (tmp_path / "out").exists()
+
+
+SMALL = ("--to", "ct", "--device", "cpu", "--max-shard-size", "60KB")  # 8 output shards from 2 source shards
+
+
+def test_partitions_stream_only_the_files_their_shards_read(server: HubServer, repos: dict[str, Path],
+                                                            tmp_path: Path) -> None:
+    """Two partitions, each fetching whole only the source files its own shards read, then --finish, which
+    reads no tensor bytes: each shard was proven as it was written, from checked sources."""
+    src = repos["modelopt-nvfp4"]
+    res = CliRunner().invoke(mxfp4conv_cli, ["convert", str(src), str(tmp_path / "local"), *SMALL])
+    assert res.exit_code == 0, res.stderr
+    dst = tmp_path / "out"
+    fetched = []
+    for i in range(2):
+        server.clear_log()
+        got = cli(server, tmp_path / "cache", "convert", "org/modelopt-nvfp4", str(dst), *SMALL, "--stream",
+                  "--partition", f"{i}/2", "--json")
+        assert got.returncode == 0, got.stderr
+        doc = json.loads(got.stdout)
+        assert doc["status"] == "partial"
+        checked = doc["hub"]["files"]
+        assert checked and all(checked[n] == hashlib.sha256((src / n).read_bytes()).hexdigest() for n in checked)
+        assert doc["hub"]["bytes_fetched"] <= sum((src / n).stat().st_size for n in checked) + 2 * (64 << 10)
+        fetched.append(doc["hub"]["bytes_fetched"])
+    server.clear_log()
+    got = cli(server, tmp_path / "cache", "convert", "org/modelopt-nvfp4", str(dst), *SMALL, "--stream", "--finish",
+              "--json")
+    assert got.returncode == 0, got.stderr
+    doc = json.loads(got.stdout)
+    assert doc["verify"]["ok"] and doc["verify"]["units"] == sum(s["units"] for s in doc["shards"])
+    assert doc["hub"]["bytes_fetched"] <= 2 * (64 << 10)  # the headers the plan is made from, nothing else
+    assert files(dst) == files(tmp_path / "local")
+    assert len(list((tmp_path / "local").glob("*.safetensors"))) == 8
+
+
+def test_a_resumed_stream_takes_only_shards_made_from_checked_sources(server: HubServer, repos: dict[str, Path],
+                                                                      tmp_path: Path) -> None:
+    """A run that stops on a corrupted second source shard keeps (with --resume) the shards it had made
+    from the first, whose sha256 was checked; --resume takes those, makes the others again from the
+    second file alone, and the result is the local conversion. A shard made from the corrupted file is
+    never taken. The second file's answer is held until a shard is recorded, then one byte flipped."""
+    src = repos["modelopt-nvfp4"]
+    res = CliRunner().invoke(mxfp4conv_cli, ["convert", str(src), str(tmp_path / "local"), *SMALL])
+    assert res.exit_code == 0, res.stderr
+    second = src / "model-00002-of-00002.safetensors"
+    blob = hashlib.sha256(second.read_bytes()).hexdigest()
+    progress = tmp_path / ".out.mxfp4conv-staging" / ".mxfp4conv-progress.json"
+    original = server.blobs[blob]
+
+    def corrupt_once_a_shard_is_recorded() -> None:
+        t = time.monotonic()
+        while time.monotonic() - t < 30 and not (progress.exists() and json.loads(progress.read_text())["shards"]):
+            time.sleep(0.02)
+        data = bytearray(original.data)
+        data[len(data) // 2] ^= 1
+        server.blobs[blob] = Blob(bytes(data), original.lfs)
+
+    server.fault("call", lambda r: shard_get(r) and blob in r.path and r.range == f"bytes=0-{second.stat().st_size - 1}",
+                 call=corrupt_once_a_shard_is_recorded)
+    dst = tmp_path / "out"
+    try:
+        got = cli(server, tmp_path / "cache", "convert", "org/modelopt-nvfp4", str(dst), *SMALL, "--stream", "--resume")
+    finally:
+        server.blobs[blob] = original
+    assert got.returncode == 1, got.stderr
+    assert "corrupted" in got.stderr and second.name in got.stderr and not dst.exists()
+    record = json.loads(progress.read_text())
+    assert second.name not in record.get("checked", {})
+    kept = {rel for rel, rec in record["shards"].items() if second.name not in rec["sources"]}
+    assert kept, record
+    staged = progress.parent
+    before = {rel: ((staged / rel).stat().st_ino, (staged / rel).stat().st_mtime_ns) for rel in record["shards"]}
+    got = cli(server, tmp_path / "cache", "convert", "org/modelopt-nvfp4", str(dst), *SMALL, "--stream", "--resume",
+              "--json")
+    assert got.returncode == 0, got.stderr
+    doc = json.loads(got.stdout)
+    assert files(dst) == files(tmp_path / "local")
+    assert doc["verify"]["ok"] and sorted(doc["hub"]["files"]) == sorted(p.name for p in src.glob("*.safetensors"))
+    # the shards of checked sources were taken as they were (the same files), those of the corrupted one made again
+    after = {rel: ((dst / rel).stat().st_ino, (dst / rel).stat().st_mtime_ns) for rel in before}
+    assert {rel for rel in before if before[rel] == after[rel]} == kept
 
 
 def test_a_terminal_sees_the_bytes_streamed_their_rate_and_the_time_left(server: HubServer, repos: dict[str, Path],

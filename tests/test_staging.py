@@ -28,16 +28,16 @@ def test_a_fresh_run_starts_from_an_empty_folder(tmp_path: Path) -> None:
     staging = tmp_path / ".out.mxfp4conv-staging"
     _progress(staging, {"model.safetensors": {"sha256": "0" * 64}})
     (staging / "model.safetensors").write_bytes(b"old")
-    assert prepare_staging(staging, FP, ConvertOptions()) == {}
+    assert prepare_staging(staging, FP, ConvertOptions()) == ({}, {})
     assert staging.is_dir() and not any(staging.iterdir())
 
 
 def test_resume_takes_the_recorded_shards_of_the_same_conversion_only(tmp_path: Path) -> None:
     staging = tmp_path / "s"
     _progress(staging, {"model.safetensors": {"sha256": "ab"}})
-    assert prepare_staging(staging, FP, ConvertOptions(resume=True)) == {"model.safetensors": {"sha256": "ab"}}
+    assert prepare_staging(staging, FP, ConvertOptions(resume=True)) == ({"model.safetensors": {"sha256": "ab"}}, {})
     # another conversion's record is ignored by --resume (the folder starts again) ...
-    assert prepare_staging(staging, {"tool": "other"}, ConvertOptions(resume=True)) == {}
+    assert prepare_staging(staging, {"tool": "other"}, ConvertOptions(resume=True)) == ({}, {})
     # ... and refused by a partition, which may share the folder with other partitions of one conversion
     _progress(staging, {"a": {"sha256": "ab"}})
     with pytest.raises(StagingError, match="other inputs or options"):

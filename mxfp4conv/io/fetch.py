@@ -7,7 +7,9 @@ the publisher's sha256. ``OrderedFetch`` serves all of them from one pass: each 
 file's sha256 as soon as the blocks before it are, and kept while the conversion still has planned
 reads of it (``expect``: the reads a run will make, in the order it makes them, with how many times).
 The fetch runs ahead of the reads within ``budget`` bytes of kept blocks; a read of a block not yet
-fetched fetches up to it at once.
+fetched fetches up to it at once. Each file is checked as soon as its last block is hashed
+(``on_checked``), so that what was made of it can be trusted before the run ends; with
+``every_file`` False only the files the reads touch are fetched (each still whole, to be checked).
 
 A block let go while planned reads remained (memory ran short) and then read again is fetched again
 and must hash as it first did; a read nothing planned, of a block already let go, is fetched alone
@@ -57,11 +59,14 @@ class OrderedFetch:
     def __init__(self, files: dict[str, tuple[int, str | None]], get: Callable[[str, int, int], bytes], *,
                  claims: dict[str, list[tuple[int, bytes]]] | None = None, label: Callable[[str], str] = str,
                  block: int = BLOCK, budget: int = BUDGET, connections: int = CONNECTIONS,
-                 on_fetch: Callable[[int], None] | None = None) -> None:
+                 on_fetch: Callable[[int], None] | None = None,
+                 on_checked: Callable[[str, str], None] | None = None, every_file: bool = True) -> None:
         self._files = {n: _File(s, h) for n, (s, h) in files.items()}
         self._claims = {n: list(c) for n, c in (claims or {}).items() if n in self._files}
         self._get, self._label, self._block, self._budget = get, label, block, budget
-        self._connections, self._on_fetch = connections, on_fetch
+        self._connections, self._on_fetch, self._on_checked = connections, on_fetch, on_checked
+        self._every_file = every_file
+        self._checked: dict[str, str] = {}  # files whose every byte is hashed and matched: their sha256
         self._cv = threading.Condition()
         self._kept: dict[Key, bytes] = {}
         self._inflight: set[Key] = set()
@@ -104,8 +109,12 @@ class OrderedFetch:
                     self._first.setdefault(key, rank)
                 self._extend(name, -(-end // self._block))
             for name in self._files:
-                self._extend(name, self._blocks(name))
+                if self._every_file or name in self._frontier:
+                    self._extend(name, self._blocks(name))
             self._cv.notify_all()
+        for name, f in self._files.items():  # an empty file has no block to finish its hash
+            if f.size == 0 and (self._every_file or name in self._frontier) and name not in self._checked:
+                self._check_file(name, f)
         while len(self._threads) < self._connections:
             t = threading.Thread(target=self._work, name=f"mxfp4conv-fetch-{len(self._threads)}", daemon=True)
             self._threads.append(t)
@@ -281,6 +290,9 @@ class OrderedFetch:
                     return
                 f.hasher.update(data)
                 self._check_claims(key, data)
+                last = f.hashed + 1 == self._blocks(name)
+                if last:
+                    self._check_file(name, f)
                 with self._cv:
                     f.hashed += 1
                     self._drop_if_done(key)
@@ -296,25 +308,30 @@ class OrderedFetch:
                                 file=self._label(name),
                                 hint="nothing was published; the download was corrupted: run the command again")
 
+    def _check_file(self, name: str, f: _File) -> None:
+        got = f.hasher.hexdigest()
+        if f.sha256 is not None and got != f.sha256:
+            raise Corrupted(f"the bytes read have sha256 {got}, the Hub records {f.sha256}", file=self._label(name),
+                            hint="nothing was published; the download was corrupted or the repo changed: "
+                                 "run the command again")
+        with self._cv:
+            self._checked[name] = got
+        if self._on_checked is not None:
+            self._on_checked(name, got)
+
     # the end -----------------------------------------------------------------------------------
     def finish(self) -> dict[str, str]:
-        """Wait for the rest of every file and check each against its recorded sha256: each file's
-        sha256; ``Corrupted`` naming the first that differs."""
+        """Wait for the rest of every file to be fetched and checked against its recorded sha256: each
+        checked file's sha256 (every file, or with ``every_file`` False those the reads touched);
+        ``Corrupted`` naming the first that differs."""
         with self._cv:
             self._urgent = len(self._seq)  # nothing reads any more: fetch the rest regardless of the budget
             self._cv.notify_all()
-            while self._error is None and any(f.hashed < self._blocks(n) for n, f in self._files.items()):
+            wanted = [n for n in self._files if self._every_file or n in self._frontier]
+            while self._error is None and any(n not in self._checked for n in wanted):
                 self._cv.wait()
             self._raise()
-        out = {}
-        for name, f in self._files.items():
-            got = f.hasher.hexdigest()
-            if f.sha256 is not None and got != f.sha256:
-                raise Corrupted(f"the bytes read have sha256 {got}, the Hub records {f.sha256}", file=self._label(name),
-                                hint="nothing was published; the download was corrupted or the repo changed: "
-                                     "run the command again")
-            out[name] = got
-        return out
+            return {n: self._checked[n] for n in wanted}
 
     def close(self) -> None:
         with self._cv:

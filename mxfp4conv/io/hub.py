@@ -130,12 +130,14 @@ class RemoteRepo:
 
     @contextlib.contextmanager
     def streaming(self, names: list[str], on_fetch: Callable[[int], None] | None = None, *,
-                  budget: int = BUDGET) -> Iterator[OrderedFetch]:
+                  budget: int = BUDGET, on_checked: Callable[[str, str], None] | None = None,
+                  every_file: bool = True) -> Iterator[OrderedFetch]:
         """Files ``names`` read through one in-order fetch while the block runs, keeping at most about
-        ``budget`` bytes of them; ``finish`` on the stream checks them against the Hub's sha256."""
+        ``budget`` bytes of them, each checked against the Hub's sha256 once read whole
+        (``on_checked``); ``every_file`` False: only those the conversion reads (io/fetch.py)."""
         stream = OrderedFetch({n: (self.files[n].size, self.files[n].sha256) for n in names}, self.read_range,
                               claims=self._claims, label=lambda n: str(self.path(n)), on_fetch=on_fetch,
-                              budget=budget)
+                              budget=budget, on_checked=on_checked, every_file=every_file)
         self._stream = stream
         try:
             yield stream
