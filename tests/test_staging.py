@@ -69,8 +69,29 @@ def test_the_finisher_records_a_shard_once_its_digest_is_known(tmp_path: Path) -
     done.set_result("d1")
     fin.settle(keep=1)  # the older one only: the newer is still hashing
     assert outputs == {"a.safetensors": "d1"} and len(fin.pending) == 1
-    assert json.loads(path.read_text()) == {"fingerprint": FP, "shards": {"a.safetensors": {"sha256": "d1",
-                                                                                            "stats": {"s": 1}}}}
+    assert json.loads(path.read_text()) == {"fingerprint": FP, "shards": {"a.safetensors": {
+        "sha256": "d1", "stats": {"s": 1}, "proven": False}}}
     later.set_result("d2")
     fin.settle()
     assert outputs == {"a.safetensors": "d1", "b.safetensors": "d2"} and not fin.pending
+
+
+def test_a_shard_of_a_remote_source_is_recorded_with_its_sources_and_their_checks(tmp_path: Path) -> None:
+    """A remote source's shard names the files it was made from; each file is recorded once checked, on
+    the fetch's thread, whether before or after the shard; the record is what --resume reads."""
+    path = tmp_path / ".mxfp4conv-progress.json"
+    fin = ShardFinisher(path, FP, {}, proven=True)
+    fin.sources["a.safetensors"] = ["s-1.safetensors", "s-2.safetensors"]
+    done: Future[str] = Future()
+    fin.pending.append(("a.safetensors", done, {}))
+    fin.check_source("s-1.safetensors", "11")
+    done.set_result("d1")
+    fin.settle()
+    fin.check_source("s-2.safetensors", "22")
+    assert json.loads(path.read_text()) == {
+        "fingerprint": FP, "checked": {"s-1.safetensors": "11", "s-2.safetensors": "22"},
+        "shards": {"a.safetensors": {"sha256": "d1", "stats": {}, "proven": True,
+                                     "sources": ["s-1.safetensors", "s-2.safetensors"]}}}
+    staging = tmp_path
+    assert prepare_staging(staging, FP, ConvertOptions(resume=True))[1] == {"s-1.safetensors": "11",
+                                                                             "s-2.safetensors": "22"}
