@@ -202,7 +202,7 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
     def run() -> int:
         if ray_address is not None:
             clash = [f for f, on in (("--partition", partition is not None), ("--finish", finish),
-                                     ("--dry-run", dry_run), ("--devices", devices is not None), ("--stream", stream)) if on]
+                                     ("--dry-run", dry_run), ("--devices", devices is not None)) if on]
             if clash:
                 raise click.UsageError(f"--ray cannot be combined with {', '.join(clash)} "
                                        "(--ray plans the partitions and devices itself)")

@@ -158,6 +158,9 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
         check_hasher()
     check_destination(None if job.ckpt.remote else job.ckpt.root, dst, overwrite=opts.overwrite or opts.skip_if_current)
     _fill_plan_report(report, job)
+    if job.ckpt.remote is not None:  # the commit the plan is made from (--ray pins its tasks to it)
+        pinned = job.ckpt.remote
+        report.hub = {"repo_id": pinned.repo_id, "revision": pinned.revision, "commit": pinned.commit}
     if opts.dry_run:
         report.seconds["total"] = time.perf_counter() - t_start
         return report

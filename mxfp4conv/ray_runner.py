@@ -4,7 +4,8 @@ The only module importing ``ray`` (lazily: it is the optional extra ``mxfp4conv[
 scheduler-agnostic partition path of ``pipeline.convert``: the driver plans the shards locally, runs
 ``--partition i/N`` of the same conversion as N Ray tasks (one CPU, or one GPU with ``--device cuda``,
 each), then ``--finish`` locally: verify and publish. Every node must see SRC and DST at the same paths
-(a shared filesystem); the output is byte-identical to a local run (shard bytes do not depend on the
+(a shared filesystem), or, with ``--stream``, DST and the Hub (each task streams its own shards'
+source files at the commit the plan was made from); the output is byte-identical to a local run (shard bytes do not depend on the
 device or on which process wrote them, and the manifest only records device-independent options).
 """
 
@@ -125,7 +126,11 @@ def convert_on_ray(src: str | Path, dst: str | Path, opts: ConvertOptions, addre
             raise EnvironmentProblem(f"the Ray cluster at {address} has no {resource}s",
                              hint="use --device cpu" if gpu else "start the nodes with --num-cpus >= 1")
         n = max(1, min(len(plan.shards), slots))
-        src_abs = os.path.abspath(resolve_source(str(src), opts.revision)[0])  # HF repo ids: the cached snapshot
+        if opts.stream:  # every task reads the commit the plan was made from, whatever the branch does meanwhile
+            assert plan.hub is not None
+            src_abs = f"{plan.hub['repo_id']}@{plan.hub['commit']}"
+        else:
+            src_abs = os.path.abspath(resolve_source(str(src), opts.revision)[0])  # HF repo ids: the cached snapshot
         dst_abs = os.path.abspath(dst)
         staging = staging_path(Path(dst_abs))
         if not opts.resume:

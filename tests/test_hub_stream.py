@@ -25,6 +25,7 @@ from tqdm import tqdm
 from mxfp4conv.cli import cli as mxfp4conv_cli
 from tests.builders import build
 from tests.hub_server import Blob, HubServer, Request, fresh, hub
+from tests.ray_cluster import ray_head
 from tests.test_hub_remote import cli, env
 
 CASES = [("ct-mxfp4", "quark"), ("modelopt-nvfp4", "ct"), ("gpt-oss", "marlin")]
@@ -120,11 +121,27 @@ def test_reads_recover_from_transient_faults(server: HubServer, repos: dict[str,
     assert files(tmp_path / "out") == files(tmp_path / "local")
 
 
-def test_ray_with_stream_is_refused(tmp_path: Path) -> None:
-    res = CliRunner().invoke(mxfp4conv_cli, ["convert", "org/model", str(tmp_path / "out"), "--stream", "--ray",
-                                             "127.0.0.1:1"])
-    assert res.exit_code == 2, res.output
-    assert "--stream" in res.stderr and not (tmp_path / "out").exists()
+def test_ray_tasks_stream_their_own_shards_at_the_planned_commit(server: HubServer, repos: dict[str, Path],
+                                                                  tmp_path: Path) -> None:
+    """``--ray --stream`` on a real local Ray cluster whose workers reach the loopback Hub (HF_ENDPOINT in
+    the head's environment): each task streams its own shards' source files of the commit the plan was
+    made from; the driver's --finish reads no tensor bytes. The output is the local conversion's."""
+    src = repos["modelopt-nvfp4"]
+    res = CliRunner().invoke(mxfp4conv_cli, ["convert", str(src), str(tmp_path / "local"), *SMALL])
+    assert res.exit_code == 0, res.stderr
+    with ray_head(env(server, tmp_path / "worker-cache")) as address:
+        server.clear_log()
+        got = cli(server, tmp_path / "cache", "convert", "org/modelopt-nvfp4", str(tmp_path / "out"), *SMALL,
+                  "--stream", "--ray", address, "--json")
+    assert got.returncode == 0, got.stderr
+    doc = json.loads(got.stdout)
+    assert doc["ray"]["tasks"] == 2 and doc["verify"]["ok"]
+    assert files(tmp_path / "out") == files(tmp_path / "local")
+    commit = server.repos["org/modelopt-nvfp4"].refs["main"]
+    assert all(commit in r.path for r in server.requests(lambda r: "/resolve/" in r.path and r.method == "HEAD"
+                                                          and r.path.endswith(".safetensors")))
+    size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    assert server.sent(shard_get) <= 2 * size + 8 * (64 << 10)  # at most each file once per task, and headers
 
 
 SMALL = ("--to", "ct", "--device", "cpu", "--max-shard-size", "60KB")  # 8 output shards from 2 source shards

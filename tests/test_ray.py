@@ -7,15 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,15 +19,9 @@ from click.testing import CliRunner
 
 from mxfp4conv.cli import cli
 from tests.builders import build
+from tests.ray_cluster import free_port, ray_head
 
-RAY_CLI = Path(sys.executable).with_name("ray")
 SHARD = "30KB"  # 5 output shards for the tiny builders
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tree_hashes(root: Path) -> dict[str, str]:
@@ -52,50 +40,8 @@ def real_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def ray_address() -> Iterator[str]:
-    """`ray start --head --block` in its own process group; the finalizer ends that group only.
-
-    (`ray stop` would stop every Ray process of this machine, not just ours.) The temp dir is short:
-    Ray's unix sockets live under it and socket paths are limited to ~107 bytes.
-    """
-    temp = tempfile.mkdtemp(prefix="r", dir="/tmp")
-    port = _free_port()
-    cmd = [str(RAY_CLI), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
-           "--num-cpus", "2", "--num-gpus", "0", "--include-dashboard", "false", "--disable-usage-stats",
-           "--temp-dir", temp, "--object-store-memory", str(100 * 1000**2),
-           "--dashboard-agent-listen-port", str(_free_port()), "--log-style", "record"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def drain() -> None:  # keep reading so the head never blocks on a full pipe
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "Ray runtime started" in line:
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=drain, daemon=True).start()
-    try:
-        ready.wait(90)
-        assert proc.poll() is None and any("Ray runtime started" in ln for ln in lines), "".join(lines)[-3000:]
-        yield f"127.0.0.1:{port}"
-    finally:
-        for sig, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):  # a throwaway cluster: no long grace
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                try:
-                    os.killpg(proc.pid, 0)
-                except ProcessLookupError:
-                    break
-                proc.poll()  # reap the group leader so the group can disappear
-                time.sleep(0.2)
-        proc.wait(timeout=10)
-        shutil.rmtree(temp, ignore_errors=True)
+    with ray_head() as address:
+        yield address
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +97,7 @@ def test_a_failing_task_fails_like_a_local_run(ray_address: str, srcs: dict[str,
 
 def test_unreachable_address_is_one_line_and_writes_nothing(srcs: dict[str, Path], tmp_path: Path) -> None:
     res = real_cli("convert", str(srcs["ct-mxfp4"]), str(tmp_path / "o"), "--device", "cpu",
-                   "--ray", f"127.0.0.1:{_free_port()}")
+                   "--ray", f"127.0.0.1:{free_port()}")
     assert res.returncode == 1, res.stderr
     assert "Traceback" not in res.stderr
     lines = res.stderr.strip().splitlines()

@@ -38,6 +38,7 @@ CONNECTIONS = 4
 BUDGET = 192 << 20  # bytes of fetched blocks kept (ahead of the reads, or still to be read again)
 
 Key = tuple[str, int]
+Data = bytes | bytearray  # a fetched block
 
 
 class Corrupted(InputError):
@@ -56,7 +57,7 @@ class _File:
 class OrderedFetch:
     """Files ``name -> (size, sha256)`` read through ``get``; see the module docstring."""
 
-    def __init__(self, files: dict[str, tuple[int, str | None]], get: Callable[[str, int, int], bytes], *,
+    def __init__(self, files: dict[str, tuple[int, str | None]], get: Callable[[str, int, int], Data], *,
                  claims: dict[str, list[tuple[int, bytes]]] | None = None, label: Callable[[str], str] = str,
                  block: int = BLOCK, budget: int = BUDGET, connections: int = CONNECTIONS,
                  on_fetch: Callable[[int], None] | None = None,
@@ -68,7 +69,7 @@ class OrderedFetch:
         self._every_file = every_file
         self._checked: dict[str, str] = {}  # files whose every byte is hashed and matched: their sha256
         self._cv = threading.Condition()
-        self._kept: dict[Key, bytes] = {}
+        self._kept: dict[Key, Data] = {}
         self._inflight: set[Key] = set()
         self._gone: set[Key] = set()  # hashed and let go
         self._need: dict[Key, int] = {}  # planned bytes still to be read from the block
@@ -154,7 +155,7 @@ class OrderedFetch:
             self._release(key, hi - lo)
         return at
 
-    def _take(self, key: Key) -> bytes:
+    def _take(self, key: Key) -> Data:
         """The block's bytes: kept, being fetched (wait), next in the fetch order (fetched at once),
         or fetched alone and checked against its first fetch."""
         with self._cv:
@@ -199,14 +200,14 @@ class OrderedFetch:
             self._gone.add(key)
             self._cv.notify_all()
 
-    def _keep(self, key: Key, data: bytes) -> None:
+    def _keep(self, key: Key, data: Data) -> None:
         self._kept[key] = data
         self._held += len(data)
         self.peak = max(self.peak, self._held)
         self._cv.notify_all()
 
     # fetching ----------------------------------------------------------------------------------
-    def _fetch(self, key: Key) -> bytes:
+    def _fetch(self, key: Key) -> Data:
         """Fetch a block; a block fetched before must hash as it did then."""
         name, _ = key
         b, e = self._range(key)
@@ -298,7 +299,7 @@ class OrderedFetch:
                     self._drop_if_done(key)
                     self._cv.notify_all()
 
-    def _check_claims(self, key: Key, data: bytes) -> None:
+    def _check_claims(self, key: Key, data: Data) -> None:
         name, _ = key
         b, e = self._range(key)
         for cb, cbytes in self._claims.get(name, ()):

@@ -151,7 +151,7 @@ class RemoteRepo:
         if self._stream is not None and self._stream.has(name):
             return self._stream.read_into(name, offset, bufs)
         want = min(sum(len(b) for b in bufs), max(0, self.files[name].size - offset))
-        raw = self.read_range(name, offset, offset + want)
+        raw = bytes(self.read_range(name, offset, offset + want))
         self._claims.setdefault(name, []).append((offset, raw))
         at = 0
         for buf in bufs:
@@ -179,7 +179,7 @@ class RemoteRepo:
         if name in self._headers:
             return self._headers[name]
         size = self.files[name].size
-        first = self.read_range(name, 0, min(size, HEAD_PROBE))
+        first = bytes(self.read_range(name, 0, min(size, HEAD_PROBE)))
         end = 8 + int.from_bytes(first[:8], "little") if len(first) >= 8 else 0
         if len(first) >= 8 and len(first) < end <= min(size, 8 + (100 << 20)):
             first += self.read_range(name, len(first), end)
@@ -187,14 +187,14 @@ class RemoteRepo:
         self._claims.setdefault(name, []).append((0, first))  # what the plan is made from: checked by the stream
         return first
 
-    def read_range(self, name: str, begin: int, end: int) -> bytes:
+    def read_range(self, name: str, begin: int, end: int) -> bytes | bytearray:
         """Bytes ``[begin, end)`` of file ``name`` at the pinned commit, checked (206, Content-Range,
         exact length), retried on transient faults, re-resolved on an expired link."""
         if end <= begin:
             return b""
         import httpx
         from huggingface_hub.errors import HfHubHTTPError
-        from huggingface_hub.utils import build_hf_headers, http_backoff
+        from huggingface_hub.utils import build_hf_headers
 
         where = str(self.path(name))
         last = ""
@@ -207,29 +207,27 @@ class RemoteRepo:
                 headers.pop("authorization", None)
             headers.update({"Range": f"bytes={begin}-{end - 1}", "Accept-Encoding": "identity"})
             try:
-                resp = http_backoff("GET", location, headers=headers, max_retries=RETRIES,
-                                    follow_redirects=True, timeout=_timeout())
+                status, got, body = self._answer(location, headers, end - begin)
+            except _Dropped as exc:  # the connection lost while the body came: the range again
+                last = str(exc)
+                continue
             except (httpx.HTTPError, HfHubHTTPError) as exc:  # retries spent on 5xx/429/network errors
                 raise InputError(f"cannot read bytes {begin}-{end - 1}: {_why(exc)}", file=where,
                                  hint="check the network and run the command again") from exc
-            body = resp.content
-            with self._count:
-                self.fetched += len(body)
-            if resp.status_code == 403 and not same_host:
+            if status == 403 and not same_host:
                 last = "403"  # a presigned link past its expiry: resolve the file again
                 continue
-            if resp.status_code == 416:
+            if status == 416:
                 raise InputError(f"the Hub refuses bytes {begin}-{end - 1} (416): the file is shorter than "
                                  f"the {self.files[name].size} bytes listed", file=where,
                                  hint="the repo changed while it was read; run the command again")
-            if resp.status_code != 206:
-                last = f"HTTP {resp.status_code} instead of 206 Partial Content"
-                if resp.status_code in (200, 404) or 400 <= resp.status_code < 500:
+            if status != 206:
+                last = f"HTTP {status} instead of 206 Partial Content"
+                if status in (200, 404) or 400 <= status < 500:
                     raise InputError(f"cannot read bytes {begin}-{end - 1}: {last}", file=where,
                                      hint="a server that ignores Range requests cannot be read remotely")
                 continue
             want = f"bytes {begin}-{end - 1}/{self.files[name].size}"
-            got = resp.headers.get("Content-Range", "")
             if got.strip() != want:
                 m = _CONTENT_RANGE.match(got.strip())
                 if m and int(m.group(3)) != self.files[name].size:
@@ -244,6 +242,38 @@ class RemoteRepo:
             return body
         raise InputError(f"cannot read bytes {begin}-{end - 1} after {RETRIES + 1} attempts: {last}", file=where,
                          hint="check the network and run the command again")
+
+    def _answer(self, location: str, headers: dict[str, str], size: int) -> tuple[int, str, bytearray]:
+        """One Range GET (huggingface_hub's http_stream_backoff retries 429, 5xx and network errors
+        until an answer starts): its status, its Content-Range and, for a 206, its body read straight
+        into one buffer of the range's size (one byte more shows a longer body); ``_Dropped`` when the
+        connection is lost while the body comes."""
+        import httpx
+        from huggingface_hub.utils import http_stream_backoff
+
+        with http_stream_backoff("GET", location, headers=headers, max_retries=RETRIES, follow_redirects=True,
+                                 timeout=_timeout()) as resp:
+            got = resp.headers.get("Content-Range", "")
+            if resp.status_code != 206:
+                return resp.status_code, got, bytearray()
+            buf = bytearray(size + 1)
+            view = memoryview(buf)
+            pos = 0
+            try:
+                for chunk in resp.iter_bytes():
+                    n = min(len(chunk), len(buf) - pos)
+                    view[pos:pos + n] = chunk[:n]
+                    pos += n
+                    if pos == len(buf):
+                        break
+            except httpx.HTTPError as exc:
+                raise _Dropped(f"the connection was lost after {pos} of {size} bytes") from exc
+            finally:
+                del view
+                with self._count:
+                    self.fetched += pos
+            del buf[pos:]
+            return 206, got, buf
 
     def _location(self, name: str, *, refresh: bool) -> tuple[str, bool]:
         """Where the file's bytes are (the ``/resolve/`` redirect's target), whether it is the Hub's own
@@ -286,6 +316,10 @@ def open_repo(repo_id: str, revision: str | None = None, *, token: str | bool | 
     files = {e.path: HubFile(e.path, int(e.size), e.blob_id, e.lfs.sha256 if e.lfs is not None else None)
              for e in entries if isinstance(e, RepoFile)}
     return RemoteRepo(repo_id, revision, commit, files, token)
+
+
+class _Dropped(Exception):
+    """A connection lost while a range's body was being read."""
 
 
 def _retrying(fn: Callable[[], T], where: str) -> T:
