@@ -109,12 +109,25 @@ def test_a_corrupted_byte_is_never_published(server: HubServer, repos: dict[str,
 
 
 def test_reads_recover_from_transient_faults(server: HubServer, repos: dict[str, Path], tmp_path: Path) -> None:
-    for kind in ("503", "drop", "short"):
-        server.fault(kind, lambda r: shard_get(r) and r.range is not None and not r.range.endswith("-65535"))
-    got = cli(server, tmp_path / "cache", "convert", "org/modelopt-nvfp4", str(tmp_path / "out"), "--to", "ct",
-              "--device", "cpu", "--stream")
+    """On the shards' own ranges (not the header's): a 429 with RateLimit, a 503, a connection dropped
+    mid-body, a short 206 body, an expired link (403: resolved again), and the branch moving to another
+    commit meanwhile (the run reads the commit it pinned): each recovered, the output the local one."""
+    def tensors(r: Request) -> bool:
+        return shard_get(r) and r.range is not None and not r.range.endswith("-65535")
+
+    for kind in ("429", "503", "drop", "short", "expire"):
+        server.fault(kind, tensors)
+    pinned = server.repos["org/modelopt-nvfp4"].refs["main"]
+    moved: list[str] = []
+    server.fault("call", tensors, call=lambda: moved.append(server.add_repo("org/modelopt-nvfp4", repos["ct-mxfp4"])))
+    try:
+        got = cli(server, tmp_path / "cache", "convert", "org/modelopt-nvfp4", str(tmp_path / "out"), "--to", "ct",
+                  "--device", "cpu", "--stream")
+    finally:
+        server.repos["org/modelopt-nvfp4"].refs["main"] = pinned
     assert got.returncode == 0, got.stderr
     assert all(f.hits == 1 for f in server.faults), [(f.kind, f.hits) for f in server.faults]
+    assert moved and moved[0] != pinned
     res = CliRunner().invoke(mxfp4conv_cli, ["convert", str(repos["modelopt-nvfp4"]), str(tmp_path / "local"),
                                              "--to", "ct", "--device", "cpu"])
     assert res.exit_code == 0

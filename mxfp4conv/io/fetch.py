@@ -169,7 +169,7 @@ class OrderedFetch:
                     continue
                 p = self._pos.get(key)
                 if key not in self._gone and p is not None and p >= self._nxt:
-                    if p > self._urgent:  # the fetch goes on to it whatever it keeps (see _evict_for)
+                    if p > self._urgent:  # the fetch goes on to it whatever it keeps (see _evict)
                         self._urgent = p
                         self._wait_rank = self._first.get(key, -1)
                         self._cv.notify_all()

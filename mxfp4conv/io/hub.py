@@ -4,13 +4,16 @@ The revision is pinned once (``HfApi.repo_info`` gives the commit sha) and every
 that commit: the file list with sizes and LFS sha256 (``list_repo_tree(recursive=True)``), the small
 files through huggingface_hub's cache (``hf_hub_download(revision=sha)``), and each safetensors
 shard's header through Range GETs on the file's resolved location (``hf_hub_url`` +
-``get_hf_file_metadata``, then huggingface_hub's own HTTP client and ``http_backoff``): one
+``get_hf_file_metadata``, then huggingface_hub's own HTTP client and ``http_stream_backoff``, the
+body read straight into a buffer of the range's size): one
 speculative range of ``HEAD_PROBE`` bytes that holds the 8-byte length and, usually, the whole
 header; a second range for the rest only when the header is larger. Every answer must be a 206 with
 the asked ``Content-Range`` and exactly that many bytes (a short body is an error, not data); no
 multi-range requests. 429 waits as huggingface_hub does (its RateLimit / Retry-After handling), 5xx
-and dropped connections are retried with backoff, a 403 from the redirect host (an expired link)
-re-resolves the file; a link to another host gets no token.
+and dropped connections (before or during the body) are retried with backoff, a 403 from the
+redirect host (an expired link) re-resolves the file; a link to another host gets no token. Requests
+stay few: ``/resolve/`` (the endpoint the Hub rate-limits per five minutes) is asked once per file
+and again only on an expired link; the bytes come from the resolved location in 16 MiB ranges.
 
 A ``RemoteRepo`` is also a ``ByteSource`` (``io/source.py``): while a conversion runs
 (``streaming``), its shards' bytes come from one ``OrderedFetch`` (``io/fetch.py``): each shard
