@@ -229,6 +229,10 @@ class Conversion:
                 self.on_shard(shard.rel, path, rec["sha256"])
             return True
         if self.job.opts.finish:
+            if reuse(path, rec):  # its bytes are as recorded, but not all of its sources were checked
+                raise StagingError(f"shard {shard.rel} was made from source files not checked against the Hub's "
+                                   "sha256 (a run without --stream, or one stopped before reading them whole)",
+                                   hint="rerun the --partition i/n conversion that owns it with --stream")
             raise StagingError(f"shard {shard.rel} is missing or damaged in the staging folder",
                                hint="rerun the --partition i/n conversion that owns it (shard index mod n)")
         return False

@@ -90,6 +90,10 @@ class ConversionPlan:
         """The output bytes of the largest unit of any rank."""
         return max((u.nbytes for _, s in self.shards() for u in s.units), default=0)
 
+    def largest_copied_unit(self) -> int:
+        """The bytes of the largest unit whose source ranges are copied as they are (0 if none)."""
+        return max((u.nbytes for _, s in self.shards() for u in s.units if u.direct is not None), default=0)
+
 
 def direct_slices(spec: UnitSpec, outs: list[OutTensor], ckpt: Checkpoint, target: Target,
                   ctx: WriterContext) -> tuple[FileSlice, ...] | None:

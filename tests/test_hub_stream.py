@@ -191,6 +191,21 @@ def test_partitions_stream_only_the_files_their_shards_read(server: HubServer, r
     assert len(list((tmp_path / "local").glob("*.safetensors"))) == 8
 
 
+def test_finish_from_the_hub_refuses_shards_of_unchecked_sources(server: HubServer, repos: dict[str, Path],
+                                                                  tmp_path: Path) -> None:
+    """Partitions run on a local copy record no checked sources: a --finish --stream of the same
+    conversion (same fingerprint) refuses their shards in one line, and publishes nothing."""
+    src, dst = repos["modelopt-nvfp4"], tmp_path / "out"
+    for i in range(2):
+        res = CliRunner().invoke(mxfp4conv_cli, ["convert", str(src), str(dst), *SMALL, "--partition", f"{i}/2"])
+        assert res.exit_code == 0, res.stderr
+    got = cli(server, tmp_path / "cache", "convert", "org/modelopt-nvfp4", str(dst), *SMALL, "--stream", "--finish")
+    lines = [ln for ln in got.stderr.splitlines() if ln.startswith("error:")]
+    assert got.returncode not in (0, 3) and len(lines) == 1, got.stderr
+    assert "not checked against the Hub's sha256" in lines[0] and "Traceback" not in got.stderr
+    assert not dst.exists()
+
+
 def test_a_resumed_stream_takes_only_shards_made_from_checked_sources(server: HubServer, repos: dict[str, Path],
                                                                       tmp_path: Path) -> None:
     """A run that stops on a corrupted second source shard keeps (with --resume) the shards it had made
