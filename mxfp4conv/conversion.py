@@ -33,7 +33,7 @@ from mxfp4conv.staging import SHARD_WINDOW, ShardFinisher, json_bytes, progress_
 from mxfp4conv.units import UnitResult, unit_results
 from mxfp4conv.writers import WriterContext
 
-__all__ = ["Conversion", "Progress", "ShardDone", "interleave", "windows"]
+__all__ = ["Conversion", "Progress", "ShardDone", "extra_files", "interleave", "windows"]
 
 Progress = Callable[[int, int], None]
 ShardDone = Callable[[str, Path, str], None]  # a shard finished: its path in DST, where it is now, its sha256
@@ -100,24 +100,26 @@ class _OpenShard:
     fed: int = 0
 
 
-def _copy_extras(ckpt: Checkpoint, dst: Path, drop_hqc: bool) -> list[str]:
-    """SRC's other top-level files (tokenizer, generation config, ...) into ``dst``; a Hub repo's are
-    downloaded (they are small), its weights never."""
+def extra_files(ckpt: Checkpoint) -> list[str]:
+    """SRC's other top-level files (tokenizer, generation config, ...) that the output carries as they
+    are, and ``hf_quant_config.json`` where there is one (kept only where layers stay NVFP4)."""
     repo = ckpt.remote
     names = sorted(n for n in repo.files if "/" not in n) if repo is not None else sorted(
         p.name for p in ckpt.root.iterdir() if p.is_file())
+    return [n for n in names if n == "hf_quant_config.json" or not (
+        n in _SKIP_FILES or n.endswith(".safetensors") or Path(n).suffix in PICKLE_SUFFIXES)]
 
-    def local(name: str) -> Path:
-        return repo.download(name) if repo is not None else ckpt.root / name
 
+def _copy_extras(ckpt: Checkpoint, dst: Path, drop_hqc: bool) -> list[str]:
+    """SRC's other top-level files into ``dst``; a Hub repo's are downloaded (they are small), its
+    weights never."""
+    repo = ckpt.remote
     copied = []
-    for name in names:
-        if name in _SKIP_FILES or name.endswith(".safetensors") or Path(name).suffix in PICKLE_SUFFIXES:
+    for name in extra_files(ckpt):
+        if name == "hf_quant_config.json" and drop_hqc:
             continue
-        shutil.copyfile(local(name), dst / name)
+        shutil.copyfile(repo.download(name) if repo is not None else ckpt.root / name, dst / name)
         copied.append(name)
-    if not drop_hqc and "hf_quant_config.json" in names:
-        shutil.copyfile(local("hf_quant_config.json"), dst / "hf_quant_config.json")
     return copied
 
 

@@ -20,12 +20,13 @@ from typing import Any
 
 from mxfp4conv import __version__
 from mxfp4conv.check import InlineVerifier, check_structure
-from mxfp4conv.conversion import Conversion, Progress, ShardDone
-from mxfp4conv.errors import OutputError, StagingError, UsageError
+from mxfp4conv.conversion import Conversion, Progress, ShardDone, extra_files
+from mxfp4conv.errors import ConvertError, OutputError, StagingError, UsageError
 from mxfp4conv.inspect import SCHEMA_VERSION
 from mxfp4conv.io import fetch
 from mxfp4conv.io.atomic import check_destination, publish, remove_tree, staging_path
 from mxfp4conv.io.checkpoint import Checkpoint
+from mxfp4conv.io.hub import RemoteRepo
 from mxfp4conv.job import (  # re-exported: the options and helpers callers know from here
     GB,
     ConvertOptions,
@@ -182,6 +183,9 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
             # they lie in the shard (experts 0, 1, 2 against 0, 1, 10, 100), so its source bytes are
             # kept until written. A partition or a resumed run fetches only the files its shards read
             # (each whole, to check it).
+            # the small files the output carries, fetched beside the shards rather than after them
+            threading.Thread(target=_prefetch, args=(repo, extra_files(job.ckpt)), name="mxfp4conv-extras",
+                             daemon=True).start()
             with repo.streaming(names, _fetch_counter(sum(repo.files[n].size for n in names), on_fetch),
                                 budget=fetch.BUDGET + job.output.largest_copied_unit(), on_checked=run.fin.check_source,
                                 every_file=not (opts.partition is not None or opts.finish or opts.resume)) as stream:
@@ -251,6 +255,14 @@ def _recorded_proof(run: Conversion, verifier: InlineVerifier, job: Job, staging
     doc.update(units=sum(len(s.units) for _, s in job.output.shards()),
                tensors=sum(len(s.tensors) for _, s in job.output.shards()), mode="inline, as each shard was written")
     return doc
+
+
+def _prefetch(repo: RemoteRepo, names: list[str]) -> None:
+    """Bring ``names`` into huggingface_hub's cache now; a failure is met again, and said, where the
+    output's copy of the file downloads it."""
+    for name in names:
+        with contextlib.suppress(ConvertError):
+            repo.download(name)
 
 
 def _fetch_counter(total: int, on_fetch: Progress | None) -> Callable[[int], None] | None:
