@@ -42,6 +42,7 @@ __all__ = ["PushOptions", "PushReport", "ShardUploader", "current_output", "push
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 RETRIES = 4  # create_repo / create_branch / repo_info on 429, 5xx and dropped connections
+UPLOADS = 4  # shards going up at once while the conversion runs: one connection rarely fills a link
 T = TypeVar("T")
 
 
@@ -105,23 +106,27 @@ def current_output(src: str, dst: str | Path, opts: ConvertOptions) -> ConvertRe
 
 class ShardUploader:
     """Shards uploaded as the conversion finishes them (``add``, from the conversion's thread; the
-    uploads run on one thread of their own, in order). An upload that fails is left for
-    ``push_output`` to send again; ``uploaded`` holds those that are on the Hub."""
+    uploads run on ``UPLOADS`` threads of their own, in the order the shards finish). An upload that
+    fails is left for ``push_output`` to send again; ``uploaded`` holds those that are on the Hub."""
 
     def __init__(self, opts: PushOptions) -> None:
         self.opts = opts
         self.uploaded: dict[str, Any] = {}  # path in the repo -> its CommitOperationAdd, uploaded
         self.prepared: tuple[Any, str] | None = None  # the repo's info and the branch, once made
         self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._stop = False
         self._fault: BaseException | None = None
+        self._ready = threading.Lock()  # the repo is made once, by the first upload
 
     def start(self) -> ShardUploader:
         from huggingface_hub import HfApi
 
-        self._thread = threading.Thread(target=self._run, args=(HfApi(),), name="mxfp4conv-upload", daemon=True)
-        self._thread.start()
+        api = HfApi()
+        self._threads = [threading.Thread(target=self._run, args=(api,), name=f"mxfp4conv-upload-{i}", daemon=True)
+                         for i in range(UPLOADS)]
+        for t in self._threads:
+            t.start()
         return self
 
     def add(self, rel: str, path: Path, sha256: str) -> None:
@@ -142,40 +147,43 @@ class ShardUploader:
 
     def finish(self) -> ShardUploader:
         """Wait for the uploads queued so far."""
-        self._queue.put(None)
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._join()
         if self._fault is not None:
             raise self._fault
         return self
 
     def close(self) -> None:
-        """Stop after the upload in progress (the conversion failed)."""
+        """Stop after the uploads in progress (the conversion failed)."""
         self._stop = True
-        self._queue.put(None)
-        if self._thread is not None:
-            self._thread.join()
+        self._join()
+
+    def _join(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join()
+        self._threads = []
 
     def _run(self, api: Any) -> None:
         branch = self.opts.revision or "main"
-        ready = False  # the repo (and branch) made, at the first finished shard: none for a failed plan
         while (job := self._queue.get()) is not None:
             rel, op = job
             try:
                 if self._stop:
                     continue
-                if not ready:
-                    self.prepared = _prepare_repo(api, self.opts)
-                    ready = True
+                with self._ready:  # the repo (and branch) made at the first finished shard: none for a failed plan
+                    if self.prepared is None:
+                        try:
+                            self.prepared = _prepare_repo(api, self.opts)
+                        except BaseException:
+                            self._stop = True  # no repo: push_output makes it again and says what failed
+                            raise
                 api.preupload_lfs_files(self.opts.repo_id, additions=[op], repo_type="model", revision=branch,
                                         free_memory=False)
                 self.uploaded[rel] = op
             except Exception as exc:
                 if not (_is_hub_error(exc) or isinstance(exc, OutputError | OSError)):
                     self._fault = self._fault or exc  # not the Hub's or the disk's: raised by finish()
-                if not ready:
-                    self._stop = True  # no repo: push_output makes it again and says what failed
                 # otherwise push_output sends the shard again
             finally:
                 op.path_or_fileobj.close()
