@@ -6,7 +6,7 @@ made if missing (``create_repo(exist_ok=True)``, private with ``--private``), a 
 ``--push-revision`` (``create_branch(exist_ok=True)``, from the default branch). Each shard is uploaded
 on its own (``preupload_lfs_files``: huggingface_hub asks the LFS batch endpoint first, which gives no
 upload action for an object the repo already holds, so an interrupted push sends again only the
-shards the Hub lacks): while the conversion runs, as each shard is finished (``ShardUploader``, on a
+shards the Hub lacks): while the conversion runs, as each shard is finished (``ShardUploader``, on
 threads of its own), and after it for any that is not up yet. Then one ``create_commit`` adds every
 file: the shards as uploaded LFS objects, the config files, index and manifest inline. Nothing is
 visible on the Hub before that commit, and the commit is all or nothing: shards uploaded by a
