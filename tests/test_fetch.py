@@ -236,3 +236,32 @@ def test_a_partial_fetch_reads_and_checks_only_the_files_read() -> None:
     assert f.finish() == checked == {"b": hashlib.sha256(files["b"]).hexdigest()}
     f.close()
     assert {n for n, _, _ in store.asked} == {"b"} and store.fetched() == len(files["b"])
+
+
+def test_a_block_read_before_the_pass_must_be_the_passs() -> None:
+    """A reader got a block before the in-order pass reached it; the pass's own fetch of it differs:
+    Corrupted, and the file is never reported checked."""
+    files, reads = layout(10)
+    store = Store(files)
+    seen: set[int] = set()
+
+    def second_differs(name: str, begin: int, data: bytes) -> bytes:
+        if (name, begin) != ("a", 30 * BLOCK):
+            return data
+        if begin in seen:
+            return data[:9] + bytes([data[9] ^ 4]) + data[10:]
+        seen.add(begin)
+        return data
+
+    store.tamper = second_differs
+    checked: list[str] = []
+    f = OrderedFetch({n: (len(d), hashlib.sha256(d).hexdigest()) for n, d in files.items()}, store.get, block=BLOCK,
+                     on_checked=lambda name, _: checked.append(name))
+    assert read(f, "a", 30 * BLOCK + 3, 30 * BLOCK + 50) == files["a"][30 * BLOCK + 3:30 * BLOCK + 50]
+    f.expect((n, b, e, 1) for n, b, e in reads)
+    with pytest.raises(Corrupted, match="differ between two fetches"):
+        for n, b, e in reads:
+            read(f, n, b, e)
+        f.finish()
+    f.close()
+    assert "a" not in checked

@@ -12,9 +12,11 @@ fetched fetches up to it at once. Each file is checked as soon as its last block
 ``every_file`` False only the files the reads touch are fetched (each still whole, to be checked).
 
 A block let go while planned reads remained (memory ran short) and then read again is fetched again
-and must hash as it first did; a read nothing planned, of a block already let go, is fetched alone
-and checked the same way; bytes read before the pass began (``claims``: the headers the plan was
-made from) must equal the pass's. So every byte handed to a reader is a byte of the one in-order
+and must continue the file's sha256 from the state before it to the state after it, as the pass
+recorded (two state copies per block, no second hash of the data); a read nothing planned, of a
+block already let go, is fetched alone and checked the same way; a block handed to a reader before
+the pass reached it must be the bytes the pass hashes; bytes read before the pass began (``claims``:
+the headers the plan was made from) must equal the pass's. So every byte handed to a reader is a byte of the one in-order
 pass whose sha256 is compared with the publisher's (``finish``).
 
 No HTTP here: ``get(name, begin, end)`` fetches a range (``io/hub.py`` gives huggingface_hub's).
@@ -26,6 +28,7 @@ import hashlib
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from mxfp4conv.errors import InputError
 
@@ -52,6 +55,8 @@ class _File:
     hasher: hashlib._Hash = field(default_factory=hashlib.sha256)
     hashed: int = 0  # blocks hashed, in order
     lock: threading.Lock = field(default_factory=threading.Lock)  # one hasher at a time
+    # per hashed block: the file's sha256 state before it, and the digest of the state after it
+    marks: dict[int, tuple[Any, bytes]] = field(default_factory=dict)
 
 
 class OrderedFetch:
@@ -74,7 +79,8 @@ class OrderedFetch:
         self._gone: set[Key] = set()  # hashed and let go
         self._need: dict[Key, int] = {}  # planned bytes still to be read from the block
         self._first: dict[Key, int] = {}  # the first planned read of the block (its rank in ``expect``)
-        self._digest: dict[Key, bytes] = {}  # sha256 of the block as first fetched
+        self._seen: set[Key] = set()  # blocks fetched at least once
+        self._early: dict[Key, bytes] = {}  # sha256 of blocks a reader got before the pass reached them
         self._seq: list[Key] = []  # the fetch order
         self._pos: dict[Key, int] = {}
         self._nxt = 0
@@ -176,7 +182,7 @@ class OrderedFetch:
                     self._cv.wait()
                     continue
                 break
-        data = self._fetch(key)
+        data = self._fetch(key, reader=True)
         with self._cv:
             kept = self._need.get(key, 0) > 0 and key not in self._kept and key not in self._gone
             if kept:
@@ -207,22 +213,33 @@ class OrderedFetch:
         self._cv.notify_all()
 
     # fetching ----------------------------------------------------------------------------------
-    def _fetch(self, key: Key) -> Data:
-        """Fetch a block; a block fetched before must hash as it did then."""
-        name, _ = key
+    def _fetch(self, key: Key, *, reader: bool = False) -> Data:
+        """Fetch a block (``reader``: for a reader, outside the in-order pass). One the pass has hashed
+        must continue its sha256 as it did there; one a reader got before the pass must be what the
+        pass fetches."""
+        name, k = key
+        f = self._files[name]
         b, e = self._range(key)
         data = self._get(name, b, e)
-        digest = hashlib.sha256(data).digest()
         with self._cv:
             self.fetched += len(data)
-            first = self._digest.get(key)
-            if first is None:
-                self._digest[key] = digest
-            else:
+            if key in self._seen:
                 self.refetched += len(data)
+            self._seen.add(key)
+            mark, early = f.marks.get(k), self._early.get(key)
         if self._on_fetch is not None:
             self._on_fetch(len(data))
-        if first is not None and first != digest:
+        same = True
+        if mark is not None:
+            h = mark[0].copy()
+            h.update(data)
+            same = h.digest() == mark[1]
+        elif early is not None:
+            same = hashlib.sha256(data).digest() == early
+        elif reader:
+            with self._cv:
+                self._early[key] = hashlib.sha256(data).digest()
+        if not same:
             exc = Corrupted(f"bytes {b}-{e - 1} differ between two fetches", file=self._label(name),
                             hint="nothing was published; the download was corrupted: run the command again")
             self._fail(exc)
@@ -289,7 +306,9 @@ class OrderedFetch:
                     data = self._kept.get(key)
                 if data is None:
                     return
+                before = f.hasher.copy()
                 f.hasher.update(data)
+                f.marks[f.hashed] = (before, f.hasher.copy().digest())
                 self._check_claims(key, data)
                 last = f.hashed + 1 == self._blocks(name)
                 if last:
