@@ -67,15 +67,23 @@ def layout(seed: int, n: int = 24) -> tuple[dict[str, bytes], list[tuple[str, in
     return files, reads
 
 
+def stream_through(f: OrderedFetch, files: dict[str, bytes], reads: list[tuple[str, int, int]], times: int = 1,
+                   pieces: int = 1) -> dict[str, str]:
+    """Plan ``reads`` (each made ``times`` times), make them, checking each one's bytes; ``finish``."""
+    f.expect((n, b, e, times) for n, b, e in reads)
+    for n, b, e in reads:
+        for _ in range(times):
+            assert read(f, n, b, e, pieces) == files[n][b:e]
+    digests = f.finish()
+    f.close()
+    return digests
+
+
 def test_every_byte_is_fetched_once_in_file_order_and_checked() -> None:
     files, reads = layout(1)
     store = Store(files)
     f = make(store, budget=64 * BLOCK)
-    f.expect((n, b, e, 1) for n, b, e in reads)
-    for n, b, e in reads:
-        assert read(f, n, b, e, pieces=3) == files[n][b:e]
-    digests = f.finish()
-    f.close()
+    digests = stream_through(f, files, reads, pieces=3)
     assert digests == {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}
     assert store.fetched() == sum(len(d) for d in files.values()) and f.refetched == 0
     assert f.peak <= 64 * BLOCK
@@ -88,13 +96,7 @@ def test_ranges_read_several_times_are_kept_until_their_last_read() -> None:
     """The writer, the hasher and the proof each read a copied range: fetched once."""
     files, reads = layout(2)
     store = Store(files)
-    f = make(store, budget=64 * BLOCK)
-    f.expect((n, b, e, 3) for n, b, e in reads)
-    for n, b, e in reads:
-        for _ in range(3):
-            assert read(f, n, b, e) == files[n][b:e]
-    f.finish()
-    f.close()
+    stream_through(make(store, budget=64 * BLOCK), files, reads, times=3)
     assert store.fetched() == sum(len(d) for d in files.values())
 
 
@@ -104,11 +106,7 @@ def test_a_small_budget_fetches_again_and_checks_what_it_let_go() -> None:
     files, reads = layout(3)
     store = Store(files)
     f = make(store, budget=4 * BLOCK, connections=2)
-    f.expect((n, b, e, 1) for n, b, e in reads)
-    for n, b, e in reads:
-        assert read(f, n, b, e) == files[n][b:e]
-    f.finish()
-    f.close()
+    stream_through(f, files, reads)
     assert f.refetched > 0 and store.fetched() == sum(len(d) for d in files.values()) + f.refetched
     assert f.peak <= (4 + 2 + 1) * BLOCK  # the budget, the blocks in flight and the one being read
 
@@ -265,3 +263,20 @@ def test_a_block_read_before_the_pass_must_be_the_passs() -> None:
         f.finish()
     f.close()
     assert "a" not in checked
+
+
+def test_a_file_only_an_unplanned_read_touches_joins_the_pass() -> None:
+    """With ``every_file`` False, a read of a file no planned read names still gets bytes that are
+    checked: that file is fetched whole and its sha256 compared, like the planned ones."""
+    files, reads = layout(11)
+    store = Store(files)
+    f = OrderedFetch({n: (len(d), hashlib.sha256(d).hexdigest()) for n, d in files.items()}, store.get, block=BLOCK,
+                     every_file=False)
+    only_b = [r for r in reads if r[0] == "b"]
+    f.expect((n, b, e, 1) for n, b, e in only_b)
+    assert read(f, "a", 5 * BLOCK + 1, 5 * BLOCK + 99) == files["a"][5 * BLOCK + 1:5 * BLOCK + 99]
+    for n, b, e in only_b:
+        read(f, n, b, e)
+    assert f.finish() == {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}
+    f.close()
+    assert store.fetched() == sum(len(d) for d in files.values())

@@ -115,8 +115,9 @@ class OrderedFetch:
                     self._need[key] = self._need.get(key, 0) + (hi - lo) * times
                     self._first.setdefault(key, rank)
                 self._extend(name, -(-end // self._block))
+            early = {n for n, _ in self._early}  # files a reader took bytes of before the plan came
             for name in self._files:
-                if self._every_file or name in self._frontier:
+                if self._every_file or name in self._frontier or name in early:
                     self._extend(name, self._blocks(name))
             self._cv.notify_all()
         for name, f in self._files.items():  # an empty file has no block to finish its hash
@@ -147,9 +148,9 @@ class OrderedFetch:
         at, i, into = 0, 0, 0
         for k in range(offset // self._block, -(-(offset + want) // self._block)):
             key = (name, k)
-            data = memoryview(self._take(key))
             lo = max(offset, k * self._block) - k * self._block
             hi = min(offset + want, (k + 1) * self._block) - k * self._block
+            data = memoryview(self._take(key, hi - lo))
             piece = data[lo:hi]
             while piece:
                 n = min(len(piece), len(bufs[i]) - into)
@@ -161,9 +162,9 @@ class OrderedFetch:
             self._release(key, hi - lo)
         return at
 
-    def _take(self, key: Key) -> Data:
-        """The block's bytes: kept, being fetched (wait), next in the fetch order (fetched at once),
-        or fetched alone and checked against its first fetch."""
+    def _take(self, key: Key, n: int) -> Data:
+        """The block's bytes, ``n`` of which the caller reads: kept, being fetched (wait), ahead in the
+        fetch order (fetched up to it at once), or fetched alone and checked against the pass."""
         with self._cv:
             while True:
                 self._raise()
@@ -174,7 +175,14 @@ class OrderedFetch:
                     self._cv.wait()
                     continue
                 p = self._pos.get(key)
+                if p is None and self._threads and key[0] not in self._frontier:
+                    # a file only an unplanned read touches joins the pass: every byte handed out is checked
+                    self._extend(key[0], self._blocks(key[0]))
+                    self._cv.notify_all()
+                    p = self._pos.get(key)
                 if key not in self._gone and p is not None and p >= self._nxt:
+                    if self._need.get(key, 0) <= 0:  # an unplanned read: kept for it once fetched
+                        self._need[key] = n
                     if p > self._urgent:  # the fetch goes on to it whatever it keeps (see _evict)
                         self._urgent = p
                         self._wait_rank = self._first.get(key, -1)
