@@ -129,6 +129,13 @@ class UnitSpec:
     dims: tuple[int, ...] = ()
     has_bias: bool = False
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+    # For moe: the first of its dims[0] experts (a group of a layer's experts: ``experts``)
+    first: int = 0
+
+    @property
+    def experts(self) -> range:
+        """A moe spec's expert ids."""
+        return range(self.first, self.first + self.dims[0])
 
 
 Unit = tuple[UnitSpec, Canonical]

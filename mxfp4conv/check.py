@@ -62,9 +62,9 @@ class InlineVerifier:
                 "units": self.units, "tensors": self.tensors, "mismatches": list(self.mismatches),
                 "ok": not self.mismatches, "schema_version": 1, "mode": "inline"}
 
-    def _done(self, n_tensors: int, found: list[dict[str, Any]], shard: Path) -> None:
+    def _done(self, n_tensors: int, found: list[dict[str, Any]], shard: Path, units: int = 1) -> None:
         with self._lock:
-            self.units += 1
+            self.units += units
             self.tensors += n_tensors
             if not found:
                 return
@@ -91,8 +91,9 @@ class InlineVerifier:
 
         return CheckRange(run, hold=0)
 
-    def decoded(self, want: Canonical, unit: PlannedUnit, rctx: WriterContext, shard: Path) -> CheckRange:
-        """The check of a decoded unit against ``want`` (the canonical unit SRC yields)."""
+    def decoded(self, want: Canonical, unit: PlannedUnit, rctx: WriterContext, shard: Path, units: int = 1) -> CheckRange:
+        """The check of a decoded unit against ``want`` (the canonical unit SRC yields); ``units``: the
+        planned units it completes (0 for an expert group but the last: ``plan.expert_groups``)."""
         spec, outs = unit.spec, unit.outs
         hold = _canonical_host_bytes(want)
 
@@ -103,7 +104,7 @@ class InlineVerifier:
                 where[o.name] = (pos, o)
                 pos += o.nbytes
             if pos != end:
-                self._done(len(outs), [{"tensor": spec.key, "message": "unit bytes misplaced in the shard"}], shard)
+                self._done(len(outs), [{"tensor": spec.key, "message": "unit bytes misplaced in the shard"}], shard, units)
             found: list[dict[str, Any]] = []
             target = self.target
             dev = _device_of(want)
@@ -112,7 +113,7 @@ class InlineVerifier:
                 get = _device_getter(buf, begin, where)
                 found = prove_unit(target, want, spec, rctx, get)
                 del buf
-                self._done(len(outs), found, shard)
+                self._done(len(outs), found, shard, units)
                 return
             for e0, e1 in _groups(spec, target, unit.nbytes):
                 if e1 - e0 == (spec.dims[0] if spec.kind == "moe" else 1) and e0 == 0:
@@ -123,7 +124,7 @@ class InlineVerifier:
                 found += prove_unit(target, part, sub, rctx, get)
                 if found:
                     break
-            self._done(len(outs), found, shard)
+            self._done(len(outs), found, shard, units)
 
         return CheckRange(run, hold=hold)
 

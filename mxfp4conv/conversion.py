@@ -3,7 +3,9 @@
 ``Conversion`` owns what the run accumulates: the report it fills, the progress, the finisher of the
 shards whose hash and fsync are still running, and the stream of the last unit with computed
 outputs. Shards are produced a window at a time (``windows``), their units interleaved
-(``interleave``) so that the window's files grow, and are hashed, together.
+(``interleave``) so that the window's files grow, and are hashed, together. From a remote source, a
+MoE unit is produced in groups of its experts (``plan.expert_groups``), so that a layer is converted
+while its bytes arrive and the run ends soon after the last one.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from mxfp4conv.pipeline import ConvertReport
+    from mxfp4conv.requant import RequantStats
 
 from mxfp4conv.check import InlineVerifier
 from mxfp4conv.errors import StagingError
@@ -28,12 +31,12 @@ from mxfp4conv.io.safetensors_io import BATCH_BYTES, CheckRange, FileSlice, Shar
 from mxfp4conv.io.source import ByteSource
 from mxfp4conv.job import Job, devices
 from mxfp4conv.manifest import MANIFEST
-from mxfp4conv.plan import PlannedShard, PlannedUnit, RankPlan
+from mxfp4conv.plan import PlannedShard, PlannedUnit, RankPlan, expert_groups
 from mxfp4conv.staging import SHARD_WINDOW, ShardFinisher, json_bytes, progress_file, reuse, sha256_file
 from mxfp4conv.units import UnitResult, unit_results
 from mxfp4conv.writers import WriterContext
 
-__all__ = ["Conversion", "Progress", "ShardDone", "extra_files", "interleave", "windows"]
+__all__ = ["Conversion", "Progress", "ShardDone", "arrival_order", "extra_files", "interleave", "windows"]
 
 Progress = Callable[[int, int], None]
 ShardDone = Callable[[str, Path, str], None]  # a shard finished: its path in DST, where it is now, its sha256
@@ -65,11 +68,6 @@ def interleave(sizes: list[list[int]]) -> list[tuple[int, int]]:
 
 def _window_order(todo: list[tuple[PlannedShard, Path]]) -> list[tuple[int, int]]:
     return interleave([[u.nbytes for u in shard.units] for shard, _ in todo])
-
-
-def _window_units(todo: list[tuple[PlannedShard, Path]]) -> list[PlannedUnit]:
-    """A window's units in the order they are produced."""
-    return [todo[i][0].units[k] for i, k in _window_order(todo)]
 
 
 def windows(n: int, most: int) -> list[range]:
@@ -123,6 +121,27 @@ def _copy_extras(ckpt: Checkpoint, dst: Path, drop_hqc: bool) -> list[str]:
     return copied
 
 
+def arrival_order(units: list[PlannedUnit], ckpt: Checkpoint) -> list[int]:
+    """The order ``units`` (planned units and expert groups, in plan order) are converted in, as indices:
+    the expert groups of a unit in the order their last source byte comes in a fetch of the shards in
+    order (safetensors files list tensors by name: expert 10 lies before expert 2); the rest as planned."""
+    files = {f: n for n, f in enumerate(ckpt.shard_files)}
+
+    def arrives(j: int) -> tuple[int, int]:
+        refs = [ckpt.tensors[n] for n in units[j].spec.sources if n in ckpt.tensors]
+        return max(((files.get(r.file, -1), r.end) for r in refs), default=(-1, 0))
+
+    turns: list[int] = []
+    j = 0
+    while j < len(units):
+        k = j + 1
+        while k < len(units) and units[k].spec.first > 0:  # the groups of one unit follow each other
+            k += 1
+        turns += sorted(range(j, k), key=arrives)
+        j = k
+    return turns
+
+
 class Conversion:
     """The shards of ``job.output`` written into ``staging`` (this partition's, with ``--partition``),
     each proven by ``verifier`` as it is written when there is one; ``finished``: shards an earlier
@@ -142,6 +161,7 @@ class Conversion:
                                  proven=verifier is not None)
         # the stream and end of the last unit with computed outputs (see ``_feed``)
         self._last: tuple[ShardStream, int] | None = None
+        self._fold: dict[str, RequantStats] = {}  # the requant statistics of the unit being fed, so far
         if job.needs_device and devices(job.opts)[0].startswith("cuda"):
             # GPU outputs are produced far faster than the disk takes them: a unit's worth queued keeps
             # the writer busy; outputs written from the GPU (io/device_write) hold none of this budget
@@ -204,9 +224,10 @@ class Conversion:
         def add(source: ByteSource, file: Path, begin: int, end: int, times: int) -> None:
             reads.setdefault(id(source), (source, []))[1].append((file, begin, end, times))
 
-        for _, _, groups in work:
+        for rank, _, groups in work:
             for group in groups:
-                for unit in _window_units(group):
+                made, turns = self._made(group, rank.ctx)
+                for unit in (made[j][1] for j in turns):
                     if unit.direct is not None:
                         for s in unit.direct:
                             add(s.source, s.file, s.begin, s.begin + s.length, copies)
@@ -216,6 +237,27 @@ class Conversion:
                             add(ref.source, ref.file, ref.begin, ref.end, 1)
         for source, planned in reads.values():
             source.expect(planned)
+
+    def unordered_bytes(self) -> int:
+        """The most source bytes of one unit that are read in another order than they lie in their file,
+        which a fetch in file order keeps until read: a copied unit's tensors are written in the plan's
+        order (experts 0, 1, 2, against the file's 0, 1, 10, 100), and so are a unit's expert groups."""
+        most = 0
+        for rank, shard in self.job.output.shards():
+            for u in shard.units:
+                if u.direct is not None:
+                    most = max(most, u.nbytes)
+                elif len(self._groups(u, rank.ctx)) > 1:
+                    most = max(most, u.read_bytes)
+        return most
+
+    def _groups(self, unit: PlannedUnit, ctx: WriterContext) -> tuple[PlannedUnit, ...]:
+        """What a unit is produced as: its expert groups from a remote source on one device (a unit read
+        from local disk is there whole at once), else the unit."""
+        job = self.job
+        if job.ckpt.remote is None or len(devices(job.opts)) > 1:
+            return (unit,)
+        return expert_groups(unit, job.ckpt, job.layout, job.target, ctx)
 
     def _reuse(self, shard: PlannedShard, path: Path, rec: dict[str, Any] | None) -> bool:
         """Take a shard an earlier run finished, if its bytes still hash as recorded (and, from a
@@ -275,7 +317,6 @@ class Conversion:
     def _write_window(self, todo: list[tuple[PlannedShard, Path]], ctx: WriterContext) -> None:
         """Produce a window of shards at once, their units interleaved; each shard is handed to the
         finisher (hash, checks and fsync finishing on its threads) once its last unit is queued."""
-        order = _window_order(todo)
         opened: list[_OpenShard] = []
         try:
             for shard, path in todo:
@@ -285,10 +326,17 @@ class Conversion:
                 stream = ShardStream(path, [(t.name, t.dtype, t.shape) for t in shard.tensors],
                                      self.job.target.shard_metadata(ctx), self.fin.budget)
                 opened.append(_OpenShard(shard, path, stream))
-            units = [opened[i].plan.units[k] for i, k in order]
-            for (i, _), unit, res in zip(order, units, unit_results(units, self.job, ctx, self.verifier is not None),
-                                         strict=True):
-                self._feed(opened[i], unit, res, ctx)
+            made, turns = self._made(todo, ctx)
+            held: dict[int, UnitResult] = {}
+            fed = 0
+            for j, res in zip(turns, unit_results([made[j][1] for j in turns], self.job, ctx, self.verifier is not None),
+                              strict=True):
+                held[j] = res
+                del res
+                while fed in held:
+                    i, unit, last = made[fed]
+                    self._feed(opened[i], unit, held.pop(fed), ctx, last)
+                    fed += 1
             for sh in opened:
                 if not sh.plan.units:  # a shard of no units (never planned today): header only
                     self.fin.pending.append((sh.plan.rel, sh.stream.finish(), sh.stats))
@@ -299,19 +347,34 @@ class Conversion:
                     sh.stream.abort()
             raise
 
-    def _feed(self, sh: _OpenShard, unit: PlannedUnit, res: UnitResult, ctx: WriterContext) -> None:
-        """Hand one unit's outputs (and its check) to its shard's stream. A unit's outputs may be views of
-        one buffer (the GPU path's requant results), which lives until its last byte is written: so
-        units are handed over whole, and a unit with computed outputs is fed only once the one before
-        the previous is written."""
+    def _made(self, todo: list[tuple[PlannedShard, Path]], ctx: WriterContext
+              ) -> tuple[list[tuple[int, PlannedUnit, bool]], list[int]]:
+        """What a window is made of, in the order it is fed: (shard, unit or expert group, whether it
+        ends a planned unit); and the order they are converted in (indices into the first), in which
+        expert groups come as their bytes arrive."""
+        made = [(i, g, g is groups[-1]) for i, k in _window_order(todo)
+                for groups in (self._groups(todo[i][0].units[k], ctx),) for g in groups]
+        return made, arrival_order([g for _, g, _ in made], self.job.ckpt)
+
+    def _feed(self, sh: _OpenShard, unit: PlannedUnit, res: UnitResult, ctx: WriterContext, last: bool) -> None:
+        """Hand one unit's outputs (and its check) to its shard's stream; ``last``: the unit is a planned
+        unit, or its last expert group (an expert group's statistics continue its predecessors'). A
+        unit's outputs may be views of one buffer (the GPU path's requant results), which lives until
+        its last byte is written: so units are handed over whole, and a unit with computed outputs is
+        fed only once the one before the previous is written."""
         report = self.report
-        report.requant_stats.update(res.stats)
-        sh.stats.update(res.stats)
-        if res.device:
+        if unit.spec.first:
+            self._fold = {k: self._fold[k].then(v) for k, v in res.requant.items()}
+        else:
+            self._fold = res.requant
+        stats = {k: v.to_dict() for k, v in self._fold.items()}
+        report.requant_stats.update(stats)
+        sh.stats.update(stats)
+        if res.device and last:
             report.requantized_on[res.device] = report.requantized_on.get(res.device, 0) + 1
         report.seconds["read"] = report.seconds.get("read", 0.0) + res.t_read
         report.seconds["transform"] = report.seconds.get("transform", 0.0) + res.t_transform
-        items, nbytes = self._items(unit, res, ctx, sh.path)
+        items, nbytes = self._items(unit, res, ctx, sh.path, last)
         computed = any(not isinstance(t, FileSlice) for t in res.outs)
         del res
         for item in items:
@@ -324,14 +387,15 @@ class Conversion:
             if self._last is not None:
                 self._last[0].wait_written(self._last[1])
             self._last = (sh.stream, end)
-        sh.fed += 1
-        if sh.fed == len(sh.plan.units):
+        if last:
+            sh.fed += 1
+        if last and sh.fed == len(sh.plan.units):
             self.fin.pending.append((sh.plan.rel, sh.stream.finish(), sh.stats))
         self.done += nbytes
         if self.on_progress:
             self.on_progress(self.done, self.job.output.total_bytes)
 
-    def _items(self, unit: PlannedUnit, res: UnitResult, ctx: WriterContext, path: Path
+    def _items(self, unit: PlannedUnit, res: UnitResult, ctx: WriterContext, path: Path, last: bool
                ) -> tuple[list[torch.Tensor | FileSlice | CheckRange], int]:
         """A unit's items for its shard's stream (its outputs, then, with a verifier, the check of their
         bytes, run once they are written) and its output bytes."""
@@ -350,5 +414,6 @@ class Conversion:
             if res.want is None:
                 items.append(self.verifier.copied(list(unit.outs), res.outs, path, nbytes))
             else:
-                items.append(self.verifier.decoded(self.job.target.slice_for_rank(res.want, unit.spec, ctx), unit, ctx, path))
+                items.append(self.verifier.decoded(self.job.target.slice_for_rank(res.want, unit.spec, ctx), unit, ctx,
+                                                   path, units=int(last)))
         return items, nbytes

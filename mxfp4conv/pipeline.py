@@ -179,15 +179,13 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
             # the shards fetched once, in order, while the conversion reads them; every shard's bytes
             # against the Hub's sha256 before anything is published
             names = [repo.name_of(f) for f in job.ckpt.shard_files]
-            # the budget: a copied unit is written in the plan's order of its tensors, not in the order
-            # they lie in the shard (experts 0, 1, 2 against 0, 1, 10, 100), so its source bytes are
-            # kept until written. A partition or a resumed run fetches only the files its shards read
-            # (each whole, to check it).
             # the small files the output carries, fetched beside the shards rather than after them
             threading.Thread(target=_prefetch, args=(repo, extra_files(job.ckpt)), name="mxfp4conv-extras",
                              daemon=True).start()
+            # the budget also keeps the source bytes of the largest unit read out of file order; a
+            # partition or a resumed run fetches only the files its shards read (each whole, to check it)
             with repo.streaming(names, _fetch_counter(sum(repo.files[n].size for n in names), on_fetch),
-                                budget=fetch.BUDGET + job.output.largest_copied_unit(), on_checked=run.fin.check_source,
+                                budget=fetch.BUDGET + run.unordered_bytes(), on_checked=run.fin.check_source,
                                 every_file=not (opts.partition is not None or opts.finish or opts.resume)) as stream:
                 outputs = run.write(finished, checked)
                 digests = stream.finish()

@@ -14,10 +14,17 @@ from dataclasses import dataclass
 from mxfp4conv.canonical import UnitSpec
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.io.safetensors_io import FileSlice
-from mxfp4conv.layouts.base import Plan
+from mxfp4conv.layouts.base import Layout, Plan
+from mxfp4conv.layouts.split import expert_group
 from mxfp4conv.writers.base import OutTensor, Target, WriterContext
 
-__all__ = ["ConversionPlan", "PlannedShard", "PlannedUnit", "RankPlan", "direct_slices", "plan_conversion"]
+__all__ = ["GROUP_READ_BYTES", "MIN_GROUPS", "ConversionPlan", "PlannedShard", "PlannedUnit", "RankPlan",
+           "direct_slices", "expert_groups", "plan_conversion"]
+
+# A MoE unit produced in expert groups reads at most this much per group, and is at least MIN_GROUPS
+# groups (where it has that many experts)
+GROUP_READ_BYTES = 32 << 20
+MIN_GROUPS = 8
 
 
 @dataclass(frozen=True)
@@ -90,10 +97,6 @@ class ConversionPlan:
         """The output bytes of the largest unit of any rank."""
         return max((u.nbytes for _, s in self.shards() for u in s.units), default=0)
 
-    def largest_copied_unit(self) -> int:
-        """The bytes of the largest unit whose source ranges are copied as they are (0 if none)."""
-        return max((u.nbytes for _, s in self.shards() for u in s.units if u.direct is not None), default=0)
-
 
 def direct_slices(spec: UnitSpec, outs: list[OutTensor], ckpt: Checkpoint, target: Target,
                   ctx: WriterContext) -> tuple[FileSlice, ...] | None:
@@ -120,6 +123,34 @@ def _unit(spec: UnitSpec, ckpt: Checkpoint, target: Target, ctx: WriterContext) 
     direct = direct_slices(spec, outs, ckpt, target, ctx)
     read = 0 if direct is not None else sum(ckpt.tensors[n].nbytes for n in spec.sources if n in ckpt.tensors)
     return PlannedUnit(spec, tuple(outs), sum(o.nbytes for o in outs), direct, read)
+
+
+def expert_groups(unit: PlannedUnit, ckpt: Checkpoint, layout: Layout, target: Target, ctx: WriterContext,
+                  most: int = GROUP_READ_BYTES, least: int = MIN_GROUPS) -> tuple[PlannedUnit, ...]:
+    """A decoded MoE unit as consecutive groups of its experts, each reading at most ``most`` bytes and
+    at least ``least`` of them (one expert each at the least): units of their own whose outputs, one
+    after the other, are the unit's. The unit alone where the layout reads it whole, the target does
+    not write expert after expert, or it is one group."""
+    spec = unit.spec
+    if (spec.kind != "moe" or unit.direct is not None or spec.extra.get("fused") or not layout.READS_EXPERT_GROUPS
+            or not target.EXPERT_MAJOR or not spec.dims):
+        return (unit,)
+    n = spec.dims[0]
+    per = max(1, -(-unit.read_bytes // n))
+    step = max(1, min(most // per, -(-n // least)))
+    if step >= n:
+        return (unit,)
+    groups: list[PlannedUnit] = []
+    at = 0
+    for e0 in range(spec.first, spec.experts.stop, step):
+        sub = expert_group(spec, e0, min(e0 + step, spec.experts.stop))
+        outs = tuple(target.out_specs(sub, ctx))
+        if outs != unit.outs[at:at + len(outs)]:  # not a run of the unit's outputs: produced whole
+            return (unit,)
+        at += len(outs)
+        read = sum(ckpt.tensors[name].nbytes for name in sub.sources if name in ckpt.tensors)
+        groups.append(PlannedUnit(sub, outs, sum(o.nbytes for o in outs), None, read))
+    return tuple(groups) if at == len(unit.outs) else (unit,)
 
 
 def _shards(units: list[PlannedUnit], max_bytes: int, folder: str) -> tuple[PlannedShard, ...]:

@@ -29,6 +29,7 @@ concurrently.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -36,7 +37,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -90,6 +91,9 @@ class RequantStats:
     sq_err: float = 0.0
     signal: float = 0.0
     max_abs_err: float = 0.0
+    # with ``keep_rows``, the row statistics added, with their blocks per row: what ``then`` folds on
+    keep_rows: bool = field(default=False, repr=False, compare=False)
+    rows: list[tuple[torch.Tensor, int]] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def sqnr_db(self) -> float | None:
@@ -110,6 +114,8 @@ class RequantStats:
     def add_rows(self, row_stats: torch.Tensor, blocks_per_row: int) -> None:
         """Continue the fold with more rows ``[R, 5]`` (in row order, after those already added)."""
         rs = row_stats.double().cpu()
+        if self.keep_rows:
+            self.rows.append((rs.clone(), blocks_per_row))  # ``row_stats`` may be a reused buffer's view
         self.blocks += int(rs.shape[0]) * blocks_per_row
         self.sq_err = _seq_fold(self.sq_err, rs[:, 0])
         self.signal = _seq_fold(self.signal, rs[:, 1])
@@ -117,6 +123,14 @@ class RequantStats:
             self.max_abs_err = max(self.max_abs_err, float(rs[:, 2].max()))
         self.clipped_blocks += int(rs[:, 3].sum())
         self.exact_blocks += int(rs[:, 4].sum())
+
+    def then(self, later: RequantStats) -> RequantStats:
+        """These statistics continued with the rows of ``later`` (made with ``keep_rows``), the next rows
+        of the same weight: bit for bit the fold of all of them in order (``merge`` adds two totals)."""
+        out = dataclasses.replace(self, keep_rows=False, rows=[])
+        for rs, per in later.rows:
+            out.add_rows(rs, per)
+        return out
 
     def merge(self, other: RequantStats) -> RequantStats:
         """Statistics of self followed by other (sums in that order)."""
@@ -508,7 +522,14 @@ def fits_on_device(nbytes: int, device: str) -> bool:
     return nbytes * RESIDENT_SHARE <= torch.cuda.get_device_properties(torch.device(device)).total_memory
 
 
-def _requant_resident(w: FP4Weight, rule: ScaleRule, device: str, keep: bool = False) -> tuple[FP4Weight, RequantStats]:
+def _folded(row_stats: torch.Tensor, blocks_per_row: int, keep_rows: bool) -> RequantStats:
+    out = RequantStats(keep_rows=keep_rows)
+    out.add_rows(row_stats, blocks_per_row)
+    return out
+
+
+def _requant_resident(w: FP4Weight, rule: ScaleRule, device: str, keep: bool = False,
+                      keep_rows: bool = False) -> tuple[FP4Weight, RequantStats]:
     """The GPU path for a weight that fits on the device: moved there unless read there already,
     requantized in one launch. With ``keep`` the results stay on the device (the shard writer copies
     them back a few MB at a time: ``io.device_write``); else they are copied back into one exact-size
@@ -532,7 +553,7 @@ def _requant_resident(w: FP4Weight, rule: ScaleRule, device: str, keep: bool = F
             problem = validate_nvfp4_scales(w.scales, w.global_rows, divisor=w.global_is_divisor, row_max=row_max)
             if problem is not None:
                 raise ValueError(f"invalid NVFP4 input: {problem}")
-            stats = RequantStats.from_row_stats(host_st, k // MX_BLOCK)
+            stats = _folded(host_st, k // MX_BLOCK, keep_rows)
             return FP4Weight("mxfp4", po.view(*lead, kh), so.view(*lead, k // MX_BLOCK)), stats
         # one buffer: row statistics first (8-byte aligned), then codes, then scales
         n_st, n_p, n_s = st.numel() * 8, po.numel(), so.numel()
@@ -545,7 +566,7 @@ def _requant_resident(w: FP4Weight, rule: ScaleRule, device: str, keep: bool = F
     problem = validate_nvfp4_scales(w.scales, w.global_rows, divisor=w.global_is_divisor, row_max=row_max)
     if problem is not None:
         raise ValueError(f"invalid NVFP4 input: {problem}")
-    stats = RequantStats.from_row_stats(host_st, k // MX_BLOCK)
+    stats = _folded(host_st, k // MX_BLOCK, keep_rows)
     return FP4Weight("mxfp4", host_p.view(*lead, kh), host_s.view(*lead, k // MX_BLOCK)), stats
 
 
@@ -555,6 +576,7 @@ def requant_nvfp4_to_mxfp4(
     device: str = "cpu",
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     keep_on_device: bool = False,
+    keep_rows: bool = False,
 ) -> tuple[FP4Weight, RequantStats]:
     """Requantize an NVFP4 weight ``[..., N, K]`` to MXFP4, ``chunk_rows`` rows at a time.
 
@@ -565,6 +587,8 @@ def requant_nvfp4_to_mxfp4(
     (uint8 packed ``[..., N, K/2]``, E8M0 scales ``[..., N, K/32]``, on the CPU) and the statistics.
     ``keep_on_device``: a
     weight requantized whole on a GPU returns its results there (the same bytes, not copied back).
+    ``keep_rows``: the statistics keep their rows, so that an earlier group of the same weight's experts
+    can be continued with them (``RequantStats.then``).
     """
     if w.quant != "nvfp4" or w.global_rows is None:
         raise ValueError("requant_nvfp4_to_mxfp4 needs an NVFP4 weight with global_rows")
@@ -577,7 +601,7 @@ def requant_nvfp4_to_mxfp4(
         raise ValueError(f"K={k} is not a multiple of {MX_BLOCK}")
     if device.startswith("cuda"):
         if w.packed.numel() and fits_on_device(w.packed.numel() + w.scales.numel(), device):
-            return _requant_resident(w, rule, device, keep_on_device)
+            return _requant_resident(w, rule, device, keep_on_device, keep_rows)
         from mxfp4conv.kernels.requant_triton import requant_nvfp4_gpu_chunks
 
         # H2D, kernel and D2H of row chunks overlap on three streams; outputs land in pinned memory.
@@ -591,7 +615,7 @@ def requant_nvfp4_to_mxfp4(
         problem = validate_nvfp4_scales(w.scales, w.global_rows, divisor=w.global_is_divisor, row_max=row_max)
         if problem is not None:
             raise ValueError(f"invalid NVFP4 input: {problem}")
-        stats = RequantStats.from_row_stats(st.reshape(-1, st.shape[-1]), k // MX_BLOCK)
+        stats = _folded(st.reshape(-1, st.shape[-1]), k // MX_BLOCK, keep_rows)
         return FP4Weight("mxfp4", p, sc), stats
     problem = validate_nvfp4_scales(w.scales, w.global_rows, divisor=w.global_is_divisor)
     if problem is not None:
@@ -600,7 +624,7 @@ def requant_nvfp4_to_mxfp4(
     scales = w.scales.reshape(-1, k // 16)
     grows = w.global_rows.reshape(-1).float()
     r = packed.shape[0]
-    stats = RequantStats()
+    stats = RequantStats(keep_rows=keep_rows)
     out = torch.empty(r, kh, dtype=torch.uint8)
     scales_out = torch.empty(r, k // MX_BLOCK, dtype=torch.uint8)
     n_threads = int(os.environ.get("MXFP4CONV_CPU_THREADS", "0")) or torch.get_num_threads()

@@ -12,8 +12,11 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mxfp4conv.requant import RequantStats
 
 from mxfp4conv.canonical import Canonical, FP4Weight
 from mxfp4conv.canonicalize import to_mxfp4
@@ -36,6 +39,8 @@ class UnitResult:
     # the canonical unit SRC yields, for the post-write check (None for a rename, or without checking)
     want: Canonical | None = None
     device: str = ""  # where the unit was requantized ("" when it was not)
+    # ``stats`` as computed; a later expert group's keep their rows, to continue the earlier groups' fold
+    requant: dict[str, RequantStats] = field(default_factory=dict)
 
 
 def _read(unit: PlannedUnit, job: Job, ctx: WriterContext, device: str = "cpu") -> tuple[Any, float]:
@@ -83,11 +88,11 @@ def _transform_on(unit: Any, spec: UnitSpec, job: Job, ctx: WriterContext, devic
                   check: bool) -> UnitResult:
     t1 = time.perf_counter()
     opts, ckpt = job.opts, job.ckpt
-    stats: dict[str, Any] = {}
+    stats: dict[str, RequantStats] = {}
     source = unit
     if not ctx.target_options.keep_nvfp4:
         try:
-            unit, stats = to_mxfp4(unit, rule=opts.scale_rule, device=device,
+            unit, stats = to_mxfp4(unit, rule=opts.scale_rule, device=device, keep_rows=spec.first > 0,
                                    keep_on_device=device.startswith("cuda") and job.target.ENCODES_ON_DEVICE)
         except ValueError as exc:  # invalid NVFP4 scales: name the unit and the first source file
             ref = ckpt.tensors[spec.sources[0]]
@@ -100,7 +105,8 @@ def _transform_on(unit: Any, spec: UnitSpec, job: Job, ctx: WriterContext, devic
         # on a GPU the check compares with a second, device-resident requantization of the source
         want = requant_on_device(source, opts.scale_rule, device) if stats and device.startswith("cuda") else unit
     outs = job.target.encode(unit, spec, ctx)
-    return UnitResult(outs, stats, t_read, time.perf_counter() - t1, want, device if stats else "")
+    return UnitResult(outs, {k: v.to_dict() for k, v in stats.items()}, t_read, time.perf_counter() - t1, want,
+                      device if stats else "", stats)
 
 
 def requant_on_device(unit: Canonical, rule: str, device: str) -> Canonical:

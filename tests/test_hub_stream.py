@@ -76,6 +76,7 @@ def test_a_streamed_conversion_is_the_local_conversion(server: HubServer, repos:
     local = json.loads(next((tmp_path / "local").rglob("mxfp4conv.json")).read_text())
     assert manifest["source"]["repo_id"] == f"org/{layout}" and manifest["source"]["revision"] == doc["hub"]["commit"]
     assert manifest["fingerprint"] == local["fingerprint"]  # the same source, read remotely or locally
+    assert manifest["requant_stats"] == local["requant_stats"]  # float for float, though made in expert groups
     shards = sorted(p.name for p in repos[layout].glob("*.safetensors"))
     assert sorted(doc["hub"]["files"]) == shards
     assert all(doc["hub"]["files"][n] == hashlib.sha256((repos[layout] / n).read_bytes()).hexdigest() for n in shards)
@@ -85,6 +86,26 @@ def test_a_streamed_conversion_is_the_local_conversion(server: HubServer, repos:
     # each shard's bytes crossed the wire once, in order, plus its header's first range
     size = sum((repos[layout] / n).stat().st_size for n in shards)
     assert size <= doc["hub"]["bytes_fetched"] <= size + len(shards) * (64 << 10), doc["hub"]
+    assert doc["hub"]["bytes_fetched_again"] == 0
+
+
+@pytest.mark.parametrize("target", ["ct", "quark"])
+def test_expert_groups_converted_as_their_bytes_arrive_make_the_local_output(server: HubServer, tmp_path: Path,
+                                                                             target: str) -> None:
+    """Twelve experts: the file lists expert 10 before expert 2, so a layer's expert groups are converted
+    out of the plan's order and written in it; the output, its proof and its statistics are the local run's."""
+    src = build("modelopt-nvfp4", tmp_path / "src", shards=2, hidden=128, inter=64, experts=12)
+    server.add_repo("org/twelve", src)
+    local = CliRunner().invoke(mxfp4conv_cli, ["convert", str(src), str(tmp_path / "local"), "--to", target,
+                                               "--device", "cpu", "--json"])
+    assert local.exit_code == 0, local.stderr
+    got = cli(server, tmp_path / "cache", "convert", "org/twelve", str(tmp_path / "streamed"), "--to", target,
+              "--device", "cpu", "--stream", "--json")
+    assert got.returncode == 0, got.stderr
+    assert files(tmp_path / "streamed") == files(tmp_path / "local")
+    doc, want = json.loads(got.stdout), json.loads(local.stdout)
+    assert doc["requant_stats"] == want["requant_stats"] and doc["requant_stats"]
+    assert doc["verify"]["units"] == want["verify"]["units"] and doc["verify"]["tensors"] == want["verify"]["tensors"]
     assert doc["hub"]["bytes_fetched_again"] == 0
 
 

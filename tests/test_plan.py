@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from mxfp4conv.conversion import arrival_order
 from mxfp4conv.job import ConvertOptions, prepare
+from mxfp4conv.plan import MIN_GROUPS, expert_groups
 from mxfp4conv.writers.base import TargetOptions
 from tests.builders import build
 
@@ -65,6 +67,55 @@ def test_each_rank_has_its_own_context_and_folder(tmp_path: Path) -> None:
     a, b = (r.shards[0].units for r in job.output.ranks)
     moe = next(i for i, u in enumerate(a) if u.spec.kind == "moe")
     assert a[moe].nbytes == b[moe].nbytes and [o.name for o in a[moe].outs] == [o.name for o in b[moe].outs]
+
+
+def test_a_moe_unit_in_expert_groups_is_the_unit_in_consecutive_runs(tmp_path: Path) -> None:
+    src = build("modelopt-nvfp4", tmp_path / "m", shards=1, hidden=128, inter=64, experts=12)
+    job = prepare(src, ConvertOptions(target="ct"))
+    rank = job.output.ranks[0]
+    moe = [u for s in rank.shards for u in s.units if u.spec.kind == "moe"]
+    assert moe
+    for u in moe:
+        groups = expert_groups(u, job.ckpt, job.layout, job.target, rank.ctx)
+        assert len(groups) == 12 // -(-12 // MIN_GROUPS)  # at least MIN_GROUPS groups: two experts each
+        assert [o for g in groups for o in g.outs] == list(u.outs)  # the unit's outputs, in order
+        assert [e for g in groups for e in g.spec.experts] == list(range(12))
+        assert sorted(n for g in groups for n in g.spec.sources) == sorted(u.spec.sources)
+        assert sum(g.read_bytes for g in groups) == u.read_bytes and sum(g.nbytes for g in groups) == u.nbytes
+        # at most ``most`` bytes read per group: one expert each here
+        assert [g.spec.experts for g in expert_groups(u, job.ckpt, job.layout, job.target, rank.ctx,
+                                                     most=u.read_bytes // 12)] == [range(e, e + 1) for e in range(12)]
+        # the groups, read and encoded on their own, are the unit's bytes
+        whole = job.target.encode(job.layout.read(job.ckpt, u.spec), u.spec, rank.ctx)
+        parts = [t for g in groups for t in job.target.encode(job.layout.read(job.ckpt, g.spec), g.spec, rank.ctx)]
+        assert len(parts) == len(whole) and all(a.equal(b) for a, b in zip(parts, whole, strict=True))
+
+
+@pytest.mark.parametrize(("layout", "target"), [("gpt-oss", "marlin"), ("ct-mxfp4", "quark"), ("modelopt-nvfp4", "marlin")])
+def test_units_read_fused_copied_or_written_fused_are_made_whole(tmp_path: Path, layout: str, target: str) -> None:
+    src = build(layout, tmp_path / layout, shards=1, hidden=128, inter=128, experts=12)  # Marlin's shape rule
+    job = prepare(src, ConvertOptions(target=target))
+    for rank, shard in job.output.shards():
+        for u in shard.units:
+            assert expert_groups(u, job.ckpt, job.layout, job.target, rank.ctx) == (u,)
+
+
+def test_expert_groups_are_converted_in_the_order_their_bytes_arrive(tmp_path: Path) -> None:
+    """safetensors files list tensors by name: expert 10 lies before expert 2. A unit's groups are
+    converted as soon as their last byte is in (the output keeps the plan's order); other units, and
+    the units themselves, stay in plan order."""
+    src = build("modelopt-nvfp4", tmp_path / "m", shards=1, hidden=128, inter=64, experts=12)
+    job = prepare(src, ConvertOptions(target="ct"))
+    rank = job.output.ranks[0]
+    made = [g for s in rank.shards for u in s.units for g in expert_groups(u, job.ckpt, job.layout, job.target, rank.ctx)]
+    turns = arrival_order(made, job.ckpt)
+    assert sorted(turns) == list(range(len(made)))
+    firsts = [j for j, g in enumerate(made) if g.spec.first == 0]
+    for a, b in zip(firsts, [*firsts[1:], len(made)], strict=True):
+        got = turns[a:b]
+        assert sorted(got) == list(range(a, b))  # a unit's groups among themselves
+        if b - a > 1:
+            assert [made[j].spec.first for j in got] == [0, 10, 2, 4, 6, 8]  # experts 0-1, 10-11, 2-3, ...
 
 
 def test_only_the_plan_asks_a_target_for_its_outputs() -> None:

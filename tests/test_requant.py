@@ -371,6 +371,26 @@ def test_chunk_rows_give_identical_bytes_and_stats(divisor: bool) -> None:
     assert st0 == RequantStats.from_row_stats(rs, 8)
 
 
+@pytest.mark.parametrize("divisor", [False, True], ids=["modelopt", "ct"])
+def test_expert_groups_continue_the_whole_weights_statistics_bit_for_bit(divisor: bool) -> None:
+    """A weight requantized in groups of its experts (a streamed MoE layer) gives the whole weight's
+    bytes, and its statistics continued group after group (``then``) are the whole fold's, float for
+    float: the sums run over the rows in the same order."""
+    import dataclasses
+
+    w = nvfp4_weight(7, 24, 256, divisor, seed=9)
+    assert w.global_rows is not None
+    whole, st = requant_nvfp4_to_mxfp4(w, ScaleRule.MSE)
+    acc = None
+    for e0, e1 in ((0, 3), (3, 4), (4, 7)):
+        part = dataclasses.replace(w, packed=w.packed[e0:e1], scales=w.scales[e0:e1], global_rows=w.global_rows[e0:e1])
+        mx, got = requant_nvfp4_to_mxfp4(part, ScaleRule.MSE, chunk_rows=11, keep_rows=e0 > 0)
+        assert torch.equal(mx.packed, whole.packed[e0:e1]) and torch.equal(mx.scales, whole.scales[e0:e1])
+        assert bool(got.rows) == (e0 > 0)
+        acc = got if acc is None else acc.then(got)
+    assert acc == st and acc.to_dict() == st.to_dict() and not acc.rows
+
+
 def test_stats_fields_and_json() -> None:
     w = nvfp4_weight(2, 16, 256, False, seed=5)
     _, st_floor = requant_nvfp4_to_mxfp4(w, ScaleRule.FLOOR)

@@ -46,6 +46,7 @@ class Layout(Protocol):
 
     NAME: str
     CONFIG_FILES: tuple[str, ...]  # quantization config files it reads beside config.json
+    READS_EXPERT_GROUPS: bool  # ``read`` takes a group of a split MoE unit's experts (``split.expert_group``)
 
     def detect(self, ckpt: Checkpoint) -> list[str] | None:
         """Evidence (config keys, tensor names) if the checkpoint is in this layout, else None."""

@@ -14,6 +14,7 @@ from mxfp4conv.layouts.split import LinearRoles, plan_split_layout, read_split_u
 
 NAME = "ct-mxfp4"
 CONFIG_FILES: tuple[str, ...] = ()
+READS_EXPERT_GROUPS = True  # split MoE units read a group of experts at a time (split.expert_group)
 FORMAT = "mxfp4-pack-quantized"
 ROLES = LinearRoles(packed="weight_packed", scale="weight_scale", scale_dtype="U8", group=32, quant="mxfp4")
 _FUSED = ("gate_up_proj_packed", "gate_up_proj_scale", "down_proj_packed", "down_proj_scale")

@@ -14,6 +14,7 @@ from mxfp4conv.layouts.split import LinearRoles, plan_split_layout, read_split_u
 
 NAME = "ct-nvfp4"
 CONFIG_FILES: tuple[str, ...] = ()
+READS_EXPERT_GROUPS = True  # split MoE units read a group of experts at a time (split.expert_group)
 FORMAT = "nvfp4-pack-quantized"
 ROLES = LinearRoles(packed="weight_packed", scale="weight_scale", scale_dtype="F8_E4M3", group=16, quant="nvfp4",
                     global_scale="weight_global_scale", global_is_divisor=True, input_scale="input_global_scale")

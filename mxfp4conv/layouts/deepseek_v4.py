@@ -18,6 +18,7 @@ from mxfp4conv.precision import Declared
 
 NAME = "deepseek-v4-mxfp4"
 CONFIG_FILES: tuple[str, ...] = ()
+READS_EXPERT_GROUPS = True  # split MoE units read a group of experts at a time (split.expert_group)
 ROLES = DEEPSEEK_V4_MXFP4
 _EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 

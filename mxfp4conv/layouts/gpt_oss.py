@@ -21,6 +21,7 @@ from mxfp4conv.precision import Declared, fnmatch_to_re
 
 NAME = "gpt-oss"
 CONFIG_FILES: tuple[str, ...] = ()
+READS_EXPERT_GROUPS = False  # fused [E, ...] tensors: a MoE unit is read whole
 _PARTS = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias",
           "down_proj_blocks", "down_proj_scales", "down_proj_bias")
 

@@ -21,6 +21,7 @@ from mxfp4conv.precision import Declared, Precision
 
 NAME = "modelopt-nvfp4"
 CONFIG_FILES: tuple[str, ...] = ("hf_quant_config.json",)
+READS_EXPERT_GROUPS = True  # split MoE units read a group of experts at a time (split.expert_group)
 ROLES = LinearRoles(packed="weight", scale="weight_scale", scale_dtype="F8_E4M3", group=16, quant="nvfp4",
                     global_scale="weight_scale_2", global_is_divisor=False, input_scale="input_scale")
 

@@ -14,6 +14,7 @@ from mxfp4conv.layouts.split import LinearRoles, plan_split_layout, read_split_u
 
 NAME = "quark-mxfp4"
 CONFIG_FILES: tuple[str, ...] = ()
+READS_EXPERT_GROUPS = True  # split MoE units read a group of experts at a time (split.expert_group)
 ROLES = LinearRoles(packed="weight", scale="weight_scale", scale_dtype="U8", group=32, quant="mxfp4")
 
 declared = quark_common.declared

@@ -15,6 +15,7 @@ from mxfp4conv.layouts.split import LinearRoles, plan_split_layout, read_split_u
 
 NAME = "quark-nvfp4"
 CONFIG_FILES: tuple[str, ...] = ()
+READS_EXPERT_GROUPS = True  # split MoE units read a group of experts at a time (split.expert_group)
 ROLES = LinearRoles(packed="weight", scale="weight_scale", scale_dtype="F8_E4M3", group=16, quant="nvfp4",
                     global_scale="weight_scale_2", global_is_divisor=False, input_scale="input_scale_2",
                     global_dtypes=("F32", "BF16"))

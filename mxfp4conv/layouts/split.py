@@ -22,7 +22,7 @@ from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.io.safetensors_io import TensorRef, read_many, tensor_view
 from mxfp4conv.layouts.base import EXPERT_RE, Plan, Problem, natural_key
 
-__all__ = ["DEEPSEEK_V4_MXFP4", "LinearRoles", "plan_split_layout", "read_split_unit"]
+__all__ = ["DEEPSEEK_V4_MXFP4", "LinearRoles", "expert_group", "plan_split_layout", "read_split_unit"]
 
 _GATE_UP_DOWN = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
@@ -232,12 +232,22 @@ def _plan_moe(ckpt: Checkpoint, prefix: str, by_expert: dict[int, dict[str, str]
     return UnitSpec("moe", prefix, tuple(sources), (num, h, i), bool(has_bias), extra_info)
 
 
+def expert_group(spec: UnitSpec, first: int, stop: int) -> UnitSpec:
+    """Experts ``first .. stop - 1`` of a split MoE unit, as a unit of their own: it reads, requantizes
+    and encodes to those experts' part of the whole unit's results (a fused unit has no such part)."""
+    if spec.kind != "moe" or spec.extra.get("fused") or not spec.first <= first < stop <= spec.experts.stop:
+        raise ValueError(f"{spec.key}: no split expert group {first}..{stop - 1}")
+    at = len(spec.key) + 1
+    sources = tuple(s for s in spec.sources if first <= int(s[at:].split(".", 1)[0]) < stop)
+    return dataclasses.replace(spec, sources=sources, dims=(stop - first, *spec.dims[1:]), first=first)
+
+
 def unit_groups(spec: UnitSpec) -> dict[str, list[list[str]]]:
     """The modules of a moe or dense unit's FP4 weights, by canonical weight: ``w13`` (every expert's
     gate, then every expert's up: gate rows, then up rows) and ``w2`` (down), or a dense ``weight``."""
     if spec.kind == "dense":
         return {"weight": [[spec.key]]}
-    mods = {r: [f"{spec.key}.{e}.{spec.extra[r]}" for e in range(spec.dims[0])] for r in ("gate", "up", "down")}
+    mods = {r: [f"{spec.key}.{e}.{spec.extra[r]}" for e in spec.experts] for r in ("gate", "up", "down")}
     return {"w13": [mods["gate"], mods["up"]], "w2": [mods["down"]]}
 
 

@@ -93,6 +93,9 @@ class Target:
     # a MoE unit's ``decode`` reads per-expert names "<key>.<e>.<...>" or fused [E, ...] tensors, so the
     # proof decodes a group of experts at a time from a narrower spec (names or rows shifted)
     DECODES_EXPERT_GROUPS = False
+    # a MoE unit's outputs are each expert's own tensors, expert after expert, encoded from that expert
+    # alone: a group of experts (``UnitSpec.first``) encodes to a run of the unit's outputs
+    EXPERT_MAJOR = False
 
     def refuse(self, ctx: WriterContext) -> str | None:
         """Why this (source, target) pair makes no sense, or None."""
@@ -152,11 +155,11 @@ def split_names(ctx: WriterContext) -> tuple[str, str, str]:
 
 
 def moe_split_specs(spec: UnitSpec, ctx: WriterContext, packed: str, scale: str) -> list[OutTensor]:
-    e_num, h, i = spec.dims
+    _, h, i = spec.dims
     g, u, d = split_names(ctx)
     bias_dtype = spec.extra.get("bias_dtype", "BF16")
     out: list[OutTensor] = []
-    for e in range(e_num):
+    for e in spec.experts:
         for proj, n, k in ((g, i, h), (u, i, h), (d, h, i)):
             base = f"{spec.key}.{e}.{proj}"
             out += [OutTensor(f"{base}.{packed}", "U8", (n, k // 2)), OutTensor(f"{base}.{scale}", "U8", (n, k // 32))]
@@ -181,13 +184,12 @@ def moe_split_encode(unit: MoELayer) -> list[torch.Tensor]:
 def moe_split_decode(spec: UnitSpec, ctx: WriterContext, get: Getter, packed: str, scale: str) -> MoELayer:
     import torch
 
-    e_num = spec.dims[0]
     g, u, d = split_names(ctx)
 
     def stack(proj: str, suffix: str) -> torch.Tensor:
         import torch
 
-        return torch.stack([get(f"{spec.key}.{e}.{proj}.{suffix}") for e in range(e_num)])
+        return torch.stack([get(f"{spec.key}.{e}.{proj}.{suffix}") for e in spec.experts])
 
     w13 = FP4Weight("mxfp4", torch.cat([stack(g, packed), stack(u, packed)], 1),
                     torch.cat([stack(g, scale), stack(u, scale)], 1))
@@ -230,7 +232,7 @@ def split_direct_sources(spec: UnitSpec, ctx: WriterContext) -> list[str] | None
         return None
     src = (spec.extra["gate"], spec.extra["up"], spec.extra["down"])
     out = []
-    for e in range(spec.dims[0]):
+    for e in spec.experts:
         for proj in src:
             base = f"{spec.key}.{e}.{proj}"
             out += [f"{base}.{packed}", f"{base}.{scale}"] + ([f"{base}.bias"] if spec.has_bias else [])
@@ -244,6 +246,7 @@ class SplitTarget(Target):
     PACKED = "weight_packed"
     SCALE = "weight_scale"
     ENCODES_ON_DEVICE = True  # per-expert row views
+    EXPERT_MAJOR = True
 
     def direct_sources(self, spec: UnitSpec, ctx: WriterContext) -> list[str] | None:
         if spec.kind == "passthrough":

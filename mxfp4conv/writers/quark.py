@@ -128,10 +128,10 @@ class QuarkTarget(SplitTarget):
 
     def out_specs(self, spec: UnitSpec, ctx: WriterContext) -> list[OutTensor]:
         if spec.kind == "moe" and self._fused(ctx):
-            e_num, h, i = spec.dims
+            _, h, i = spec.dims
             bias = spec.extra.get("bias_dtype", "BF16")
             out: list[OutTensor] = []
-            for e in range(e_num):
+            for e in spec.experts:
                 p = f"{spec.key}.{e}"
                 out += [OutTensor(f"{p}.w13_weight", "U8", (2 * i, h // 2)),
                         OutTensor(f"{p}.w13_weight_scale", "U8", (2 * i, h // 32))]
@@ -156,12 +156,10 @@ class QuarkTarget(SplitTarget):
 
     def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
         if spec.kind == "moe" and self._fused(ctx):
-            e_num = spec.dims[0]
-
             def stack(s: str) -> torch.Tensor:
                 import torch
 
-                return torch.stack([get(f"{spec.key}.{e}.{s}") for e in range(e_num)])
+                return torch.stack([get(f"{spec.key}.{e}.{s}") for e in spec.experts])
 
             w13 = FP4Weight("mxfp4", deinterleave_rows(stack("w13_weight")), deinterleave_rows(stack("w13_weight_scale")))
             w2 = FP4Weight("mxfp4", stack("w2_weight"), stack("w2_weight_scale"))
