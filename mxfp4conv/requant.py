@@ -105,9 +105,9 @@ class RequantStats:
         return 10.0 * math.log10(self.signal / self.sq_err)
 
     @classmethod
-    def from_row_stats(cls, row_stats: torch.Tensor, blocks_per_row: int) -> RequantStats:
+    def from_row_stats(cls, row_stats: torch.Tensor, blocks_per_row: int, keep_rows: bool = False) -> RequantStats:
         """Fold ``[R, 5]`` row statistics in row order."""
-        out = cls()
+        out = cls(keep_rows=keep_rows)
         out.add_rows(row_stats, blocks_per_row)
         return out
 
@@ -522,12 +522,6 @@ def fits_on_device(nbytes: int, device: str) -> bool:
     return nbytes * RESIDENT_SHARE <= torch.cuda.get_device_properties(torch.device(device)).total_memory
 
 
-def _folded(row_stats: torch.Tensor, blocks_per_row: int, keep_rows: bool) -> RequantStats:
-    out = RequantStats(keep_rows=keep_rows)
-    out.add_rows(row_stats, blocks_per_row)
-    return out
-
-
 def _requant_resident(w: FP4Weight, rule: ScaleRule, device: str, keep: bool = False,
                       keep_rows: bool = False) -> tuple[FP4Weight, RequantStats]:
     """The GPU path for a weight that fits on the device: moved there unless read there already,
@@ -553,7 +547,7 @@ def _requant_resident(w: FP4Weight, rule: ScaleRule, device: str, keep: bool = F
             problem = validate_nvfp4_scales(w.scales, w.global_rows, divisor=w.global_is_divisor, row_max=row_max)
             if problem is not None:
                 raise ValueError(f"invalid NVFP4 input: {problem}")
-            stats = _folded(host_st, k // MX_BLOCK, keep_rows)
+            stats = RequantStats.from_row_stats(host_st, k // MX_BLOCK, keep_rows)
             return FP4Weight("mxfp4", po.view(*lead, kh), so.view(*lead, k // MX_BLOCK)), stats
         # one buffer: row statistics first (8-byte aligned), then codes, then scales
         n_st, n_p, n_s = st.numel() * 8, po.numel(), so.numel()
@@ -566,7 +560,7 @@ def _requant_resident(w: FP4Weight, rule: ScaleRule, device: str, keep: bool = F
     problem = validate_nvfp4_scales(w.scales, w.global_rows, divisor=w.global_is_divisor, row_max=row_max)
     if problem is not None:
         raise ValueError(f"invalid NVFP4 input: {problem}")
-    stats = _folded(host_st, k // MX_BLOCK, keep_rows)
+    stats = RequantStats.from_row_stats(host_st, k // MX_BLOCK, keep_rows)
     return FP4Weight("mxfp4", host_p.view(*lead, kh), host_s.view(*lead, k // MX_BLOCK)), stats
 
 
@@ -615,7 +609,7 @@ def requant_nvfp4_to_mxfp4(
         problem = validate_nvfp4_scales(w.scales, w.global_rows, divisor=w.global_is_divisor, row_max=row_max)
         if problem is not None:
             raise ValueError(f"invalid NVFP4 input: {problem}")
-        stats = _folded(st.reshape(-1, st.shape[-1]), k // MX_BLOCK, keep_rows)
+        stats = RequantStats.from_row_stats(st.reshape(-1, st.shape[-1]), k // MX_BLOCK, keep_rows)
         return FP4Weight("mxfp4", p, sc), stats
     problem = validate_nvfp4_scales(w.scales, w.global_rows, divisor=w.global_is_divisor)
     if problem is not None:
