@@ -371,11 +371,13 @@ def test_chunk_rows_give_identical_bytes_and_stats(divisor: bool) -> None:
     assert st0 == RequantStats.from_row_stats(rs, 8)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu),
+                                    pytest.param("cuda:0 kept", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("divisor", [False, True], ids=["modelopt", "ct"])
-def test_expert_groups_continue_the_whole_weights_statistics_bit_for_bit(divisor: bool) -> None:
-    """A weight requantized in groups of its experts (a streamed MoE layer) gives the whole weight's
-    bytes, and its statistics continued group after group (``then``) are the whole fold's, float for
-    float: the sums run over the rows in the same order."""
+def test_expert_groups_continue_the_whole_weights_statistics_bit_for_bit(divisor: bool, device: str) -> None:
+    """A weight requantized in groups of its experts (a streamed MoE layer), on the CPU or a GPU (results
+    copied back or kept there), gives the whole weight's CPU bytes, and its statistics continued group
+    after group (``then``) are the whole fold's, float for float: the sums run over the rows in order."""
     import dataclasses
 
     w = nvfp4_weight(7, 24, 256, divisor, seed=9)
@@ -384,8 +386,9 @@ def test_expert_groups_continue_the_whole_weights_statistics_bit_for_bit(divisor
     acc = None
     for e0, e1 in ((0, 3), (3, 4), (4, 7)):
         part = dataclasses.replace(w, packed=w.packed[e0:e1], scales=w.scales[e0:e1], global_rows=w.global_rows[e0:e1])
-        mx, got = requant_nvfp4_to_mxfp4(part, ScaleRule.MSE, chunk_rows=11, keep_rows=e0 > 0)
-        assert torch.equal(mx.packed, whole.packed[e0:e1]) and torch.equal(mx.scales, whole.scales[e0:e1])
+        mx, got = requant_nvfp4_to_mxfp4(part, ScaleRule.MSE, device=device.split()[0], chunk_rows=11,
+                                         keep_on_device=device.endswith("kept"), keep_rows=e0 > 0)
+        assert torch.equal(mx.packed.cpu(), whole.packed[e0:e1]) and torch.equal(mx.scales.cpu(), whole.scales[e0:e1])
         assert bool(got.rows) == (e0 > 0)
         acc = got if acc is None else acc.then(got)
     assert acc == st and acc.to_dict() == st.to_dict() and not acc.rows
