@@ -143,14 +143,18 @@ def expert_groups(unit: PlannedUnit, ckpt: Checkpoint, layout: Layout, target: T
     groups: list[PlannedUnit] = []
     at = 0
     for e0 in range(spec.first, spec.experts.stop, step):
-        sub = expert_group(spec, e0, min(e0 + step, spec.experts.stop))
+        try:
+            sub = expert_group(spec, e0, min(e0 + step, spec.experts.stop))
+        except ValueError:  # a source shared by the layer's experts: read whole
+            return (unit,)
         outs = tuple(target.out_specs(sub, ctx))
         if outs != unit.outs[at:at + len(outs)]:  # not a run of the unit's outputs: produced whole
             return (unit,)
         at += len(outs)
         read = sum(ckpt.tensors[name].nbytes for name in sub.sources if name in ckpt.tensors)
         groups.append(PlannedUnit(sub, outs, sum(o.nbytes for o in outs), None, read))
-    return tuple(groups) if at == len(unit.outs) else (unit,)
+    whole = at == len(unit.outs) and sum(len(g.spec.sources) for g in groups) == len(spec.sources)
+    return tuple(groups) if whole else (unit,)
 
 
 def _shards(units: list[PlannedUnit], max_bytes: int, folder: str) -> tuple[PlannedShard, ...]:

@@ -238,7 +238,10 @@ def expert_group(spec: UnitSpec, first: int, stop: int) -> UnitSpec:
     if spec.kind != "moe" or spec.extra.get("fused") or not spec.first <= first < stop <= spec.experts.stop:
         raise ValueError(f"{spec.key}: no split expert group {first}..{stop - 1}")
     at = len(spec.key) + 1
-    sources = tuple(s for s in spec.sources if first <= int(s[at:].split(".", 1)[0]) < stop)
+    ids = [s[at:].split(".", 1)[0] if s.startswith(spec.key + ".") else "" for s in spec.sources]
+    if not all(i.isdigit() for i in ids):  # a tensor of the layer's, not of one expert's
+        raise ValueError(f"{spec.key}: a source is not an expert's own")
+    sources = tuple(s for s, i in zip(spec.sources, ids, strict=True) if first <= int(i) < stop)
     return dataclasses.replace(spec, sources=sources, dims=(stop - first, *spec.dims[1:]), first=first)
 
 
