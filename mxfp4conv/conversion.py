@@ -327,15 +327,30 @@ class Conversion:
                                      self.job.target.shard_metadata(ctx), self.fin.budget)
                 opened.append(_OpenShard(shard, path, stream))
             made, turns = self._made(todo, ctx)
+            # each's first tensor in its shard
+            at, count = [], [0] * len(todo)
+            for i, unit, _ in made:
+                at.append(count[i])
+                count[i] += len(unit.outs)
             held: dict[int, UnitResult] = {}
+            ahead: set[int] = set()  # converted before their turn, and written (and checked) already
             fed = 0
             for j, res in zip(turns, unit_results([made[j][1] for j in turns], self.job, ctx, self.verifier is not None),
                               strict=True):
+                if j != fed and res.outs and all(getattr(t, "device", None) is not None and t.device.type == "cpu"
+                                                 for t in res.outs):
+                    i, unit, last = made[j]
+                    items, _ = self._items(unit, res, ctx, opened[i].path, last)  # its outputs checked, and its check
+                    opened[i].stream.write_ahead(at[j], list(res.outs),
+                                                 items[-1] if isinstance(items[-1], CheckRange) else None)
+                    del items
+                    res.outs, res.want = [], None
+                    ahead.add(j)
                 held[j] = res
                 del res
                 while fed in held:
                     i, unit, last = made[fed]
-                    self._feed(opened[i], unit, held.pop(fed), ctx, last)
+                    self._feed(opened[i], unit, held.pop(fed), ctx, last, fed in ahead)
                     fed += 1
             for sh in opened:
                 if not sh.plan.units:  # a shard of no units (never planned today): header only
@@ -356,12 +371,14 @@ class Conversion:
                 for groups in (self._groups(todo[i][0].units[k], ctx),) for g in groups]
         return made, arrival_order([g for _, g, _ in made], self.job.ckpt)
 
-    def _feed(self, sh: _OpenShard, unit: PlannedUnit, res: UnitResult, ctx: WriterContext, last: bool) -> None:
+    def _feed(self, sh: _OpenShard, unit: PlannedUnit, res: UnitResult, ctx: WriterContext, last: bool,
+              written: bool = False) -> None:
         """Hand one unit's outputs (and its check) to its shard's stream; ``last``: the unit is a planned
-        unit, or its last expert group (an expert group's statistics continue its predecessors'). A
-        unit's outputs may be views of one buffer (the GPU path's requant results), which lives until
-        its last byte is written: so units are handed over whole, and a unit with computed outputs is
-        fed only once the one before the previous is written."""
+        unit, or its last expert group (an expert group's statistics continue its predecessors');
+        ``written``: an expert group converted before its turn, whose outputs are in the file and
+        checked already. A unit's outputs may be views of one buffer (the GPU path's requant results),
+        which lives until its last byte is written: so units are handed over whole, and a unit with
+        computed outputs is fed only once the one before the previous is written."""
         report = self.report
         if unit.spec.first:
             self._fold = {k: self._fold[k].then(v) for k, v in res.requant.items()}
@@ -374,8 +391,13 @@ class Conversion:
             report.requantized_on[res.device] = report.requantized_on.get(res.device, 0) + 1
         report.seconds["read"] = report.seconds.get("read", 0.0) + res.t_read
         report.seconds["transform"] = report.seconds.get("transform", 0.0) + res.t_transform
-        items, nbytes = self._items(unit, res, ctx, sh.path, last)
-        computed = any(not isinstance(t, FileSlice) for t in res.outs)
+        if written:
+            sh.stream.feed_written(len(unit.outs))
+            items: list[torch.Tensor | FileSlice | CheckRange] = []
+            nbytes, computed = unit.nbytes, False
+        else:
+            items, nbytes = self._items(unit, res, ctx, sh.path, last)
+            computed = any(not isinstance(t, FileSlice) for t in res.outs)
         del res
         for item in items:
             sh.stream.feed(item)

@@ -153,6 +153,53 @@ def test_stream_returns_before_the_hash_and_fsync_and_resolves_to_the_sha256(tmp
     assert not [th for th in threading.enumerate() if th.name.startswith(("mxfp4conv-writer", "mxfp4conv-hasher"))]
 
 
+def test_tensors_written_ahead_take_their_place_in_the_file_and_are_checked_at_once(tmp_path: Path) -> None:
+    """Tensors written ahead of earlier ones (an expert group converted before its turn) land at their
+    planned offsets, are checked as soon as they are written, and the finished file is the one written
+    in order: same bytes, same sha256, the same checks over the same ranges."""
+    t = _tensors(3)
+    entries = [(n, sio.st_dtype(v.dtype), tuple(v.shape)) for n, v in t.items()]
+    names = list(t)
+    ranges: dict[str, list[tuple[int, int]]] = {"order": [], "ahead": []}
+
+    def write(path: Path, how: str) -> str:
+        seen = ranges[how]
+
+        def check(fd: int, begin: int, end: int) -> None:
+            seen.append((begin, end))
+
+        s = sio.ShardStream(path, entries)
+        if how == "ahead":
+            s.write_ahead(3, [t["small"]], sio.CheckRange(check))
+            s.write_ahead(1, [t["odd"], t["empty"]], sio.CheckRange(check))
+            deadline = time.monotonic() + 30
+            while len(seen) < 2 and time.monotonic() < deadline:  # checked before tensor 0 is even fed
+                time.sleep(0.01)
+            assert len(seen) == 2
+            with pytest.raises(AssertionError, match="not written ahead"):
+                s.feed_written(1)  # tensor 0 was not
+            s.feed(t["big"])
+            s.feed(sio.CheckRange(check))
+            s.feed_written(2)
+            s.feed_written(1)
+        else:
+            s.feed(t["big"])
+            s.feed(sio.CheckRange(check))
+            for n in names[1:3]:
+                s.feed(t[n])
+            s.feed(sio.CheckRange(check))
+            s.feed(t["small"])
+            s.feed(sio.CheckRange(check))
+        return s.finish().result(timeout=60)
+
+    a, b = tmp_path / "order.safetensors", tmp_path / "ahead.safetensors"
+    assert write(a, "order") == write(b, "ahead") == hashlib.sha256(a.read_bytes()).hexdigest()
+    assert a.read_bytes() == b.read_bytes()
+    assert sorted(ranges["ahead"]) == sorted(ranges["order"]) and len(ranges["order"]) == 3
+    back = load_file(str(b))
+    assert all(torch.equal(back[n], v) for n, v in t.items())
+
+
 def test_stream_write_error_surfaces_from_the_future_or_the_put(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A write failure (here: a full disk) reaches the caller as an OutputError naming the shard."""
 

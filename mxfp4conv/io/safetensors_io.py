@@ -163,6 +163,13 @@ class CheckRange:
     hold: int = 0
 
 
+@dataclass(frozen=True)
+class _Written:
+    """Bytes already at their place in the file (``ShardStream.write_ahead``): the writer moves past them."""
+
+    length: int
+
+
 # Called on the check thread as (shard path, begin, end) just before a range is checked: a test hook
 # (tests flip a staged byte here, between the write and the check). None in normal use.
 CHECK_HOOK: Callable[[Path, int, int], None] | None = None
@@ -569,6 +576,8 @@ class ShardStream:
             self._writer.abort()
             raise
         self._pos = self._checked = len(head)  # file offset of the next byte; end of the last checked range
+        self._starts = list(itertools.accumulate((s[3] for s in self._sized), initial=len(head)))  # tensor offsets
+        self._ahead: dict[int, tuple[int, int]] = {}  # written ahead: first tensor -> (tensors, end offset)
 
     def _flush(self) -> None:
         if self._slices:
@@ -646,6 +655,36 @@ class ShardStream:
         if len(self._bufs) >= BATCH_SLICES or self._held >= BATCH_BYTES:
             w.put(self._bufs)
             self._bufs, self._held = [], 0
+
+    def write_ahead(self, index: int, tensors: list[torch.Tensor], check: CheckRange | None) -> None:
+        """Write host tensors ``index, index + 1, ...`` at their place in the file now, ahead of tensors
+        before them still to come, and queue ``check`` of their bytes at once (they are in the file);
+        ``feed_written`` then takes their turn in the file's order, and the hasher reads them back."""
+        bufs: list[bytes | memoryview] = []
+        for k, t in enumerate(tensors):
+            name, dtype, shape, nbytes = self._sized[index + k]
+            raw = _as_bytes(t)
+            if len(raw) != nbytes:
+                raise AssertionError(f"{name}: produced {len(raw)} bytes, planned {nbytes} ({dtype}{list(shape)})")
+            bufs.append(raw)
+        begin = self._starts[index]
+        end = self._starts[index + len(tensors)]
+        self._writer.write_at(bufs, begin)
+        if check is not None:
+            self._writer.put_check(check, begin, end, ahead=True)
+        self._ahead[index] = (len(tensors), end)
+
+    def feed_written(self, count: int) -> None:
+        """The next ``count`` tensors, written ahead by ``write_ahead``."""
+        if self._ahead.pop(self._count, None) != (count, self._starts[self._count + count]):
+            raise AssertionError(f"tensors {self._count}..{self._count + count - 1} were not written ahead")
+        self._flush()
+        begin, end = self._pos, self._starts[self._count + count]
+        self._count += count
+        self._pos = end
+        if self._checked == begin:  # checked when written
+            self._checked = end
+        self._writer.put(_Written(end - begin))
 
     def finish(self) -> Future[str]:
         """Queue the last batch; the future resolves to the file's sha256 once its writer, hasher and
@@ -749,10 +788,10 @@ class _BackgroundWriter:
         # source files open for the writer (0) and the hasher (1) thread, one descriptor per thread and
         # file for the shard's lifetime: a ct-mxfp4 rename copies ~10,000 small tensors
         self._fds: tuple[dict[Path, int | None], dict[Path, int | None]] = ({}, {})
-        self._wq: queue.Queue[bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | DeviceBytes | None] = \
-            queue.Queue()
+        self._wq: queue.Queue[bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | DeviceBytes
+                              | _Written | None] = queue.Queue()
         self._hq: queue.Queue[int | tuple[FileSlice, ...] | None] = queue.Queue()  # buffers by size
-        self._cq: queue.Queue[tuple[CheckRange, int, int] | None] = queue.Queue()  # ranges to check
+        self._cq: queue.Queue[tuple[CheckRange, int, int, bool] | None] = queue.Queue()  # ranges to check (, written ahead)
         self._checks = 0
         self._budget = budget
         self._error: BaseException | None = None
@@ -773,7 +812,7 @@ class _BackgroundWriter:
     def _write_loop(self) -> None:
         while (raw := self._wq.get()) is not None:
             size = _size(raw)
-            held = 0 if isinstance(raw, tuple | DeviceBytes) else size  # slices and device bytes hold no host memory
+            held = 0 if isinstance(raw, tuple | DeviceBytes | _Written) else size  # those hold no host memory
             wrote = False
             try:
                 if self._error is None:
@@ -783,6 +822,9 @@ class _BackgroundWriter:
                             self._copy(run, parts)
                     elif isinstance(raw, DeviceBytes):
                         device_write.write_device(raw, self._write)
+                    elif isinstance(raw, _Written):
+                        os.lseek(self._fh.fileno(), raw.length, os.SEEK_CUR)
+                        self._wb.advance(raw.length)
                     else:
                         self._write(raw)
                     self._busy[0] += time.perf_counter() - t0
@@ -833,12 +875,12 @@ class _BackgroundWriter:
     def _check_loop(self) -> None:
         """Run each queued check once its range is in the file; its held bytes are released after it."""
         while (job := self._cq.get()) is not None:
-            chk, begin, end = job
+            chk, begin, end, ahead = job
             hold = chk.hold
             del job
             try:
                 with self._cond:
-                    while self._written < end and self._error is None:
+                    while not ahead and self._written < end and self._error is None:
                         self._cond.wait()
                 if self._error is None:
                     if CHECK_HOOK is not None:
@@ -1002,11 +1044,12 @@ class _BackgroundWriter:
         if self._error is not None:
             raise self._error
 
-    def put(self, raw: bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | DeviceBytes) -> None:
-        """Queue one buffer, a batch of buffers (a list), a batch of byte-range copies (a tuple) or
-        bytes on a GPU (``DeviceBytes``)."""
+    def put(self, raw: bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | DeviceBytes | _Written
+            ) -> None:
+        """Queue one buffer, a batch of buffers (a list), a batch of byte-range copies (a tuple), bytes
+        on a GPU (``DeviceBytes``) or bytes written ahead (``_Written``)."""
         self._raise()
-        size = 0 if isinstance(raw, tuple | DeviceBytes) else _size(raw)  # host memory held while queued
+        size = 0 if isinstance(raw, tuple | DeviceBytes | _Written) else _size(raw)  # host memory held while queued
         b = self._budget
         with b.cond:
             while b.used and b.used + size > b.limit and self._error is None:
@@ -1022,8 +1065,29 @@ class _BackgroundWriter:
                 self._cond.wait()
         self._raise()
 
-    def put_check(self, chk: CheckRange, begin: int, end: int) -> None:
-        """Queue a check of the file's bytes ``[begin, end)`` (all of them already ``put``)."""
+    def write_at(self, bufs: list[bytes | memoryview], pos: int) -> None:
+        """Write ``bufs`` at file offset ``pos`` now, on the caller's thread (``pwritev``: the writer's
+        own position is not moved; the range is one it will skip)."""
+        self._raise()
+        views = [memoryview(b) for b in bufs]
+        try:
+            while views:
+                n = os.pwritev(self._fh.fileno(), views[:BATCH_SLICES], pos)
+                if not n:
+                    raise OSError(28, "No space left on device")
+                pos += n
+                while views and n >= len(views[0]):
+                    n -= len(views[0])
+                    views.pop(0)
+                if n:
+                    views[0] = views[0][n:]
+        except OSError as exc:
+            self._fail(exc)
+            self._raise()
+
+    def put_check(self, chk: CheckRange, begin: int, end: int, ahead: bool = False) -> None:
+        """Queue a check of the file's bytes ``[begin, end)`` (all of them already ``put``, or with
+        ``ahead`` already written)."""
         self._raise()
         b = self._budget
         with b.cond:
@@ -1031,7 +1095,7 @@ class _BackgroundWriter:
                 b.cond.wait()
             b.used += chk.hold
         self._checks += 1
-        self._cq.put((chk, begin, end))
+        self._cq.put((chk, begin, end, ahead))
 
     def _join(self) -> None:
         self._wq.put(None)
@@ -1070,10 +1134,13 @@ class _BackgroundWriter:
             self._fh.close()
 
 
-def _size(raw: bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | DeviceBytes) -> int:
-    """Bytes of a queued item: a buffer, a batch of buffers, a batch of copies or bytes on a GPU."""
+def _size(raw: bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | DeviceBytes | _Written) -> int:
+    """Bytes of a queued item: a buffer, a batch of buffers, a batch of copies, bytes on a GPU or
+    bytes written ahead."""
     if isinstance(raw, tuple):
         return sum(s.length for s in raw)
+    if isinstance(raw, _Written):
+        return raw.length
     if isinstance(raw, list):
         return sum(len(b) for b in raw)
     return len(raw)
