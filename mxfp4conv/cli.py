@@ -171,7 +171,8 @@ def _render_inspect(doc: dict[str, Any]) -> None:
               help="Run work units as Ray tasks on the cluster at ADDRESS (HOST:PORT); input and output must be on "
                    "a filesystem every node sees. Needs mxfp4conv[ray].")
 @click.option("--push-to-hub", "push_to_hub", default=None, metavar="ORG/NAME",
-              help="Upload the published DST to this Hugging Face repo in one commit (resumable: run it again).")
+              help="Upload the published DST to this Hugging Face repo in one commit (resumable: run it again); "
+                   "with --partition, upload this partition's shards for --finish to commit.")
 @click.option("--private", is_flag=True, help="--push-to-hub: create the repo private.")
 @click.option("--push-revision", default=None, metavar="BRANCH", help="--push-to-hub: commit to this branch (made if missing).")
 @click.option("--commit-message", default=None, metavar="TEXT", help="--push-to-hub: the commit's message.")
@@ -212,7 +213,7 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
                               verify=not no_verify, skip_if_current=skip_if_current, revision=revision, stream=stream, target_options=topts,
                               resume=resume, partition=_partition(partition), finish=finish,
                               devices=_device_list(devices))
-        from mxfp4conv.push import PushOptions, ShardUploader, current_output, push_output
+        from mxfp4conv.push import PushOptions, ShardUploader, current_output, partition_push, push_output
 
         push = PushOptions.from_cli(push_to_hub, private, push_revision, commit_message, opts)
         bar = None if as_json or not sys.stderr.isatty() else _progress_bar("converting", position=1 if stream else None)
@@ -246,7 +247,9 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
                         fetch_bar(-1, -1)
             uploaded = uploader.finish() if uploader is not None else None
         doc = report.to_dict()
-        if push is not None:
+        if push is not None and uploaded is not None and opts.partition is not None:
+            doc["push"] = partition_push(push, uploaded)  # committed by the --finish run
+        elif push is not None:
             doc["push"] = push_output(dst, push, written_now=report.status == "converted", uploader=uploaded).to_dict()
         if as_json:
             _emit_json(doc)
@@ -377,7 +380,12 @@ def _render_convert(doc: dict[str, Any]) -> None:
         _err.print(f"[green]done:[/] {_safe(doc['destination'])} ({doc['bytes_written']:,} bytes, "
                    f"{doc['seconds'].get('total', 0):.1f} s)" + (", verified" if v and v.get("ok") else ", NOT verified"),
                    markup=True)
-    if doc.get("push"):
+    if doc.get("push") and doc["push"]["commit"] is None:
+        p = doc["push"]
+        _err.print(f"[green]uploaded:[/] {len(p['uploaded'])} of this partition's {p['shards']} shards to "
+                   f"{_safe(p['repo_id'])}@{_safe(p['revision'])}; --finish --push-to-hub commits them "
+                   "(and sends any not up yet)", markup=True)
+    elif doc.get("push"):
         p = doc["push"]
         _err.print(f"[green]pushed:[/] {_safe(p['repo_id'])}@{_safe(p['revision'])} commit {p['commit']} ({p['files']} "
                    f"files, {p['bytes']:,} bytes{', private' if p['private'] else ''})", markup=True)

@@ -12,6 +12,10 @@ file: the shards as uploaded LFS objects, the config files, index and manifest i
 visible on the Hub before that commit, and the commit is all or nothing: shards uploaded by a
 conversion that then fails are referenced by no commit.
 
+With ``--partition I/N`` a run uploads its own shards as it finishes them and commits nothing
+(``partition_push``); the ``--finish --push-to-hub`` run makes the one commit, and sends only the
+shards the Hub lacks (those a partition could not upload).
+
 Re-running the same command resumes: a DST that already holds this conversion (its manifest matches
 this input and these options, as ``--skip-if-current`` checks) is not converted again; its files are
 hashed again and compared with the manifest before anything is sent. Tokens come from
@@ -38,7 +42,7 @@ from mxfp4conv.manifest import MANIFEST
 from mxfp4conv.pipeline import ConvertOptions, ConvertReport, convert
 from mxfp4conv.staging import sha256_file
 
-__all__ = ["PushOptions", "PushReport", "ShardUploader", "current_output", "push_output"]
+__all__ = ["PushOptions", "PushReport", "ShardUploader", "current_output", "partition_push", "push_output"]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 RETRIES = 4  # create_repo / create_branch / repo_info on 429, 5xx and dropped connections
@@ -65,10 +69,9 @@ class PushOptions:
             return None
         if not _REPO_ID.match(repo_id) or ".." in repo_id or repo_id.endswith((".git", ".")):
             raise UsageError(f"--push-to-hub {repo_id!r} is not a repo id", hint="use ORG/NAME, e.g. my-org/gpt-oss-20b-quark")
-        clash = [f for f, on in (("--dry-run", opts.dry_run), ("--partition", opts.partition is not None)) if on]
-        if clash:
-            raise UsageError(f"--push-to-hub cannot be combined with {', '.join(clash)} (it pushes the published DST)",
-                             hint="push from the run that publishes DST (--finish for partitions)")
+        if opts.dry_run:
+            raise UsageError("--push-to-hub cannot be combined with --dry-run (it pushes the published DST)",
+                             hint="leave out --dry-run")
         if revision is not None and (not revision.strip() or revision != revision.strip() or _is_commit(revision)):
             raise UsageError(f"--push-revision {revision!r} is not a branch name", hint="name a branch, e.g. mxfp4")
         if commit_message is not None and not commit_message.strip():
@@ -98,7 +101,8 @@ def current_output(src: str, dst: str | Path, opts: ConvertOptions) -> ConvertRe
     after DST was published, run again), or None when ``convert`` must run. Found as
     ``--skip-if-current`` finds it, in a dry run, so a DST of another input or options is never
     replaced: ``convert`` then refuses it as it always does (or replaces it with ``--overwrite``)."""
-    if opts.overwrite or opts.skip_if_current or opts.finish or not (Path(dst) / MANIFEST).is_file():
+    if (opts.overwrite or opts.skip_if_current or opts.finish or opts.partition is not None
+            or not (Path(dst) / MANIFEST).is_file()):
         return None
     probe = convert(src, dst, dataclasses.replace(opts, skip_if_current=True, dry_run=True))
     return probe if probe.status == "skipped" else None
@@ -112,6 +116,7 @@ class ShardUploader:
     def __init__(self, opts: PushOptions) -> None:
         self.opts = opts
         self.uploaded: dict[str, Any] = {}  # path in the repo -> its CommitOperationAdd, uploaded
+        self.added: list[str] = []  # every shard handed to ``add``
         self.prepared: tuple[Any, str] | None = None  # the repo's info and the branch, once made
         self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
@@ -143,6 +148,7 @@ class ShardUploader:
         except OSError:
             return  # push_output sends it from DST
         op.upload_info.sha256 = bytes.fromhex(sha256)  # hashed as written: not read again here
+        self.added.append(rel)
         self._queue.put((rel, op))
 
     def finish(self) -> ShardUploader:
@@ -187,6 +193,13 @@ class ShardUploader:
                 # otherwise push_output sends the shard again
             finally:
                 op.path_or_fileobj.close()
+
+
+def partition_push(opts: PushOptions, uploader: ShardUploader) -> dict[str, Any]:
+    """What a ``--partition`` run's push did: its shards on the Hub as LFS objects that no commit names
+    yet (``--finish --push-to-hub`` commits them; it sends any the Hub lacks)."""
+    return {"repo_id": opts.repo_id, "revision": opts.revision or "main", "commit": None,
+            "shards": len(uploader.added), "uploaded": sorted(uploader.uploaded)}
 
 
 def push_output(dst: str | Path, opts: PushOptions, *, written_now: bool,

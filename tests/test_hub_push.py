@@ -4,6 +4,7 @@ process, the pushed repo read back with its own snapshot_download, interrupted u
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -264,6 +265,39 @@ def test_private_repo_on_a_branch_with_a_message(server: HubServer, src: Path, t
         "error": "RepositoryNotFoundError"}
     got = snapshot(server, tmp_path / "reader", "tiny-org/private", "mxfp4/quark")
     assert {n: bytes.fromhex(got[n]) for n in dst_files(dst)} == dst_files(dst)
+
+
+def test_partitions_upload_their_own_shards_and_the_finish_commits_them_without_sending_them_again(
+        server: HubServer, src: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "dst"
+    args = ("convert", str(src), str(dst), *ARGS, "--push-to-hub", "tiny-org/parts", "--json")
+    sent: dict[str, int] = {}
+    for i in range(2):
+        server.clear_log()
+        res = cli(server, tmp_path, *args, "--partition", f"{i}/2")
+        assert res.returncode == 0, res.stderr
+        doc = json.loads(res.stdout)
+        assert doc["status"] == "partial" and doc["push"]["commit"] is None
+        mine = sorted(doc["push"]["uploaded"])
+        # shard j belongs to partition j % 2 (files are numbered from 1)
+        assert mine and len(mine) == doc["push"]["shards"]
+        assert all((int(re.search(r"model-(\d{5})", n)[1]) - 1) % 2 == i for n in mine), mine  # type: ignore[index]
+        now = {r.path.rsplit("/", 1)[1]: r.received for r in server.requests(puts) if r.status == 200}  # by sha256
+        assert len(now) == len(mine) and not set(now) & set(sent)
+        sent.update(now)
+    assert sorted(server.files("tiny-org/parts")) == [".gitattributes"]  # nothing committed by a partition
+
+    server.clear_log()
+    res = cli(server, tmp_path, *args, "--finish")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    local = dst_files(dst)
+    shards = {n: data for n, data in local.items() if n.endswith(".safetensors")}
+    assert sent == {hashlib.sha256(data).hexdigest(): len(data) for data in shards.values()}  # each once, whole
+    assert not server.requests(puts)  # every shard was up: the finish sent none again
+    assert doc["push"]["commit"] == server.repos["tiny-org/parts"].refs["main"] and doc["push"]["files"] == len(local)
+    got = snapshot(server, tmp_path / "reader", "tiny-org/parts")
+    assert {n: bytes.fromhex(got[n]) for n in local} == local
 
 
 def test_refusals_are_one_line(server: HubServer, src: Path, tmp_path: Path) -> None:
