@@ -1069,7 +1069,7 @@ class _BackgroundWriter:
         """Write ``bufs`` at file offset ``pos`` now, on the caller's thread (``pwritev``: the writer's
         own position is not moved; the range is one it will skip)."""
         self._raise()
-        views = [memoryview(b) for b in bufs]
+        views = [memoryview(b) for b in bufs if len(b)]  # an empty tensor writes nothing (and pwritev would return 0)
         try:
             while views:
                 n = os.pwritev(self._fh.fileno(), views[:BATCH_SLICES], pos)
