@@ -216,9 +216,12 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
         from mxfp4conv.push import PushOptions, ShardUploader, current_output, partition_push, push_output
 
         push = PushOptions.from_cli(push_to_hub, private, push_revision, commit_message, opts)
-        bar = None if as_json or not sys.stderr.isatty() else _progress_bar("converting", position=1 if stream else None)
-        # a Hub repo read by range: its bytes, their rate and the time left, above the output's bar
-        fetch_bar = None if bar is None or not stream else _progress_bar("streaming", position=0)
+        shown = not as_json and sys.stderr.isatty()
+        # a Hub repo read by range: its bytes, their rate and the time left, above the output's bar; the
+        # shards' uploads below it
+        bar = _progress_bar("converting", position=1 if stream else 0 if push is not None else None) if shown else None
+        fetch_bar = _progress_bar("streaming", position=0) if shown and stream else None
+        upload_bar = _progress_bar("uploading", position=2 if stream else 1) if shown and push is not None else None
         # with --push-to-hub, a DST that already holds this conversion is pushed as it is (a push run again)
         report: ConvertReport | None = current_output(src, dst, opts) if push is not None else None
         if report is None and ray_address is not None:  # the units run on Ray's workers: this process only drives them
@@ -232,7 +235,7 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
         uploaded: ShardUploader | None = None
         if report is None:
             # shards go up to the Hub while the conversion runs, each once it is finished
-            uploader = ShardUploader(push).start() if push is not None and not dry_run else None
+            uploader = ShardUploader(push, upload_bar).start() if push is not None and not dry_run else None
             with _collector_settled_at_first_unit(bar) as progress:
                 try:
                     report = convert(src, dst, opts, on_progress=progress, on_fetch=fetch_bar,
@@ -250,7 +253,10 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
         if push is not None and uploaded is not None and opts.partition is not None:
             doc["push"] = partition_push(push, uploaded)  # committed by the --finish run
         elif push is not None:
-            doc["push"] = push_output(dst, push, written_now=report.status == "converted", uploader=uploaded).to_dict()
+            doc["push"] = push_output(dst, push, written_now=report.status == "converted", uploader=uploaded,
+                                      progress=upload_bar).to_dict()
+        if upload_bar is not None:
+            upload_bar(-1, -1)
         if as_json:
             _emit_json(doc)
         else:
@@ -342,6 +348,8 @@ def _progress_bar(desc: str, position: int | None = None) -> Callable[[int, int]
         if not bar:
             bar.append(tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, file=sys.stderr,
                             desc=desc, dynamic_ncols=True, position=position))
+        elif total != bar[0].total:  # the uploads' total grows as shards are finished
+            bar[0].total = total
         bar[0].update(done - bar[0].n)
 
     return update

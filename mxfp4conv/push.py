@@ -113,8 +113,11 @@ class ShardUploader:
     uploads run on ``UPLOADS`` threads of their own, in the order the shards finish). An upload that
     fails is left for ``push_output`` to send again; ``uploaded`` holds those that are on the Hub."""
 
-    def __init__(self, opts: PushOptions) -> None:
+    def __init__(self, opts: PushOptions, progress: Callable[[int, int], None] | None = None) -> None:
         self.opts = opts
+        self.progress = progress  # (bytes uploaded, bytes of the shards handed over so far)
+        self.sent = self.queued = 0
+        self._counts = threading.Lock()  # sent, queued and the progress calls, from every thread
         self.uploaded: dict[str, Any] = {}  # path in the repo -> its CommitOperationAdd, uploaded
         self.added: list[str] = []  # every shard handed to ``add``
         self.prepared: tuple[Any, str] | None = None  # the repo's info and the branch, once made
@@ -149,7 +152,15 @@ class ShardUploader:
             return  # push_output sends it from DST
         op.upload_info.sha256 = bytes.fromhex(sha256)  # hashed as written: not read again here
         self.added.append(rel)
+        self._count(0, op.upload_info.size)
         self._queue.put((rel, op))
+
+    def _count(self, sent: int, queued: int) -> None:
+        with self._counts:
+            self.sent += sent
+            self.queued += queued
+            if self.progress is not None:
+                self.progress(self.sent, self.queued)
 
     def finish(self) -> ShardUploader:
         """Wait for the uploads queued so far."""
@@ -187,6 +198,7 @@ class ShardUploader:
                 api.preupload_lfs_files(self.opts.repo_id, additions=[op], repo_type="model", revision=branch,
                                         free_memory=False)
                 self.uploaded[rel] = op
+                self._count(op.upload_info.size, 0)
             except Exception as exc:
                 if not (_is_hub_error(exc) or isinstance(exc, OutputError | OSError)):
                     self._fault = self._fault or exc  # not the Hub's or the disk's: raised by finish()
@@ -204,16 +216,18 @@ def partition_push(opts: PushOptions, uploader: ShardUploader) -> dict[str, Any]
 
 def push_output(dst: str | Path, opts: PushOptions, *, written_now: bool,
                 on_file: Callable[[str, int, int], None] | None = None,
-                uploader: ShardUploader | None = None) -> PushReport:
+                uploader: ShardUploader | None = None,
+                progress: Callable[[int, int], None] | None = None) -> PushReport:
     """Push DST (published by ``convert``) to ``opts.repo_id``. ``written_now``: this run wrote DST, so
     the manifest's sha256 are those of the bytes just written and verified; otherwise every file is
     hashed again and must match them. ``uploader``: what the conversion's ``ShardUploader`` already
     did (shards it sent are taken where their sha256 is the manifest's). ``on_file(path, i, n)`` is
-    called before each shard's upload."""
+    called before each shard's upload; ``progress(done, total)`` after each, in bytes of all shards
+    (those the uploader sent counted done)."""
     t0 = time.perf_counter()
     dst = Path(dst)
     files = _files(dst, check=not written_now)
-    return _guarded(opts, lambda: _push(dst, files, opts, on_file, t0, uploader))
+    return _guarded(opts, lambda: _push(dst, files, opts, on_file, t0, uploader, progress))
 
 
 def _guarded(opts: PushOptions, fn: Callable[[], T]) -> T:
@@ -264,7 +278,7 @@ def _prepare_repo(api: Any, opts: PushOptions) -> tuple[Any, str]:
 
 
 def _push(dst: Path, files: dict[str, str | None], opts: PushOptions, on_file: Callable[[str, int, int], None] | None,
-          t0: float, uploader: ShardUploader | None) -> PushReport:
+          t0: float, uploader: ShardUploader | None, progress: Callable[[int, int], None] | None) -> PushReport:
     from huggingface_hub import CommitOperationAdd, HfApi
 
     api = HfApi()
@@ -282,6 +296,9 @@ def _push(dst: Path, files: dict[str, str | None], opts: PushOptions, on_file: C
             op.upload_info.sha256 = bytes.fromhex(sha)  # hashed as written: not read again here
         ops.append(op)
     shards = [op for op in ops if op.path_in_repo.endswith(".safetensors")]
+    early = {id(op) for op in uploaded.values()}  # sent while the conversion ran
+    total = sum(op.upload_info.size for op in shards)
+    done = sum(op.upload_info.size for op in shards if id(op) in early)
     for i, op in enumerate(shards):
         if op.path_in_repo in uploaded and op is uploaded[op.path_in_repo]:
             continue
@@ -295,9 +312,12 @@ def _push(dst: Path, files: dict[str, str | None], opts: PushOptions, on_file: C
             raise OutputError(f"cannot upload {op.path_in_repo} ({i + 1} of {len(shards)} shards): {_why(exc)}",
                               file=repo, hint="run the same command again: shards already on the Hub are not sent "
                                               "again") from exc
+        done += op.upload_info.size
+        if progress is not None:
+            progress(done, total)
     message = opts.commit_message or _default_message(dst)
-    done = api.create_commit(repo, operations=ops, commit_message=message, repo_type="model", revision=branch)
-    return PushReport(repo_id=repo, revision=branch, commit=done.oid, commit_url=str(done.commit_url),
+    commit = api.create_commit(repo, operations=ops, commit_message=message, repo_type="model", revision=branch)
+    return PushReport(repo_id=repo, revision=branch, commit=commit.oid, commit_url=str(commit.commit_url),
                       private=bool(info.private), files=len(ops), shards=len(shards),
                       bytes=sum(op.upload_info.size for op in ops), seconds=round(time.perf_counter() - t0, 3),
                       uploaded_during_conversion=sum(1 for op in shards if uploaded.get(op.path_in_repo) is op))

@@ -300,6 +300,45 @@ def test_partitions_upload_their_own_shards_and_the_finish_commits_them_without_
     assert {n: bytes.fromhex(got[n]) for n in local} == local
 
 
+def test_a_terminal_sees_the_shards_bytes_go_up(server: HubServer, src: Path, tmp_path: Path) -> None:
+    """On a terminal (a pseudo-terminal here) ``--push-to-hub`` shows a bar of the shards' bytes uploaded,
+    below the output's: all of them by the end, with their rate."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    from tqdm import tqdm
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    dst = tmp_path / "dst"
+    proc = subprocess.Popen([sys.executable, "-m", "mxfp4conv", "convert", str(src), str(dst), *ARGS,
+                             "--push-to-hub", "tiny-org/shown"], env=env(server, tmp_path), stdout=subprocess.DEVNULL,
+                            stderr=follower)
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 1 << 16)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(leader)
+    assert proc.wait(timeout=180) == 0, out.decode(errors="replace")
+    text = out.decode(errors="replace")
+    assert TOKEN not in text
+    lines = text.replace("\r", "\n").splitlines()
+    size = sum(len(b) for n, b in dst_files(dst).items() if n.endswith(".safetensors"))
+    shown = tqdm.format_sizeof(size, divisor=1000)
+    done = [ln for ln in lines if ln.lstrip().startswith("uploading: 100%")]
+    assert done and f"{shown}/{shown}" in done[-1] and "B/s]" in done[-1], lines
+    assert any(ln.lstrip().startswith("converting: 100%") for ln in lines)
+    assert server.repos["tiny-org/shown"].refs["main"]
+
+
 def test_refusals_are_one_line(server: HubServer, src: Path, tmp_path: Path) -> None:
     server.add_repo("tiny-org/public", src)
     dst = tmp_path / "dst"
