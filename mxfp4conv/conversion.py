@@ -327,8 +327,7 @@ class Conversion:
                                      self.job.target.shard_metadata(ctx), self.fin.budget)
                 opened.append(_OpenShard(shard, path, stream))
             made, turns = self._made(todo, ctx)
-            # each's first tensor in its shard
-            at, count = [], [0] * len(todo)
+            at, count = [], [0] * len(todo)  # the index of each one's first tensor in its shard
             for i, unit, _ in made:
                 at.append(count[i])
                 count[i] += len(unit.outs)
@@ -337,14 +336,7 @@ class Conversion:
             fed = 0
             for j, res in zip(turns, unit_results([made[j][1] for j in turns], self.job, ctx, self.verifier is not None),
                               strict=True):
-                if j != fed and res.outs and all(getattr(t, "device", None) is not None and t.device.type == "cpu"
-                                                 for t in res.outs):
-                    i, unit, last = made[j]
-                    items, _ = self._items(unit, res, ctx, opened[i].path, last)  # its outputs checked, and its check
-                    opened[i].stream.write_ahead(at[j], list(res.outs),
-                                                 items[-1] if isinstance(items[-1], CheckRange) else None)
-                    del items
-                    res.outs, res.want = [], None
+                if j != fed and self._write_ahead(opened[made[j][0]], at[j], made[j][1], res, ctx, made[j][2]):
                     ahead.add(j)
                 held[j] = res
                 del res
@@ -361,6 +353,18 @@ class Conversion:
                 if sh.plan.rel not in finished:
                     sh.stream.abort()
             raise
+
+    def _write_ahead(self, sh: _OpenShard, index: int, unit: PlannedUnit, res: UnitResult, ctx: WriterContext,
+                     last: bool) -> bool:
+        """Write an expert group converted before its turn at its place in the shard now (from tensor
+        ``index`` on) and queue its check, letting its outputs go; False (held until its turn) where
+        its outputs are not all in host memory."""
+        if not res.outs or not all(getattr(t, "device", None) is not None and t.device.type == "cpu" for t in res.outs):
+            return False
+        items, _ = self._items(unit, res, ctx, sh.path, last)  # the outputs, checked against the plan, and the check
+        sh.stream.write_ahead(index, list(res.outs), items[-1] if isinstance(items[-1], CheckRange) else None)
+        res.outs, res.want = [], None
+        return True
 
     def _made(self, todo: list[tuple[PlannedShard, Path]], ctx: WriterContext
               ) -> tuple[list[tuple[int, PlannedUnit, bool]], list[int]]:
