@@ -20,6 +20,7 @@ import pytest
 from mxfp4conv.manifest import MANIFEST
 from tests.builders import build
 from tests.hub_server import GITATTRIBUTES, HubServer, Request, fresh, hub
+from tests.terminal import on_terminal
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_pushTOKENmarker0123456789"  # a marker: it must never appear in any output
@@ -303,32 +304,12 @@ def test_partitions_upload_their_own_shards_and_the_finish_commits_them_without_
 def test_a_terminal_sees_the_shards_bytes_go_up(server: HubServer, src: Path, tmp_path: Path) -> None:
     """On a terminal (a pseudo-terminal here) ``--push-to-hub`` shows a bar of the shards' bytes uploaded,
     below the output's: all of them by the end, with their rate."""
-    import fcntl
-    import pty
-    import struct
-    import termios
-
     from tqdm import tqdm
 
-    leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     dst = tmp_path / "dst"
-    proc = subprocess.Popen([sys.executable, "-m", "mxfp4conv", "convert", str(src), str(dst), *ARGS,
-                             "--push-to-hub", "tiny-org/shown"], env=env(server, tmp_path), stdout=subprocess.DEVNULL,
-                            stderr=follower)
-    os.close(follower)
-    out = b""
-    while True:
-        try:
-            chunk = os.read(leader, 1 << 16)
-        except OSError:  # the child closed the terminal
-            break
-        if not chunk:
-            break
-        out += chunk
-    os.close(leader)
-    assert proc.wait(timeout=180) == 0, out.decode(errors="replace")
-    text = out.decode(errors="replace")
+    rc, text = on_terminal([sys.executable, "-m", "mxfp4conv", "convert", str(src), str(dst), *ARGS,
+                            "--push-to-hub", "tiny-org/shown"], env(server, tmp_path))
+    assert rc == 0, text
     assert TOKEN not in text
     lines = text.replace("\r", "\n").splitlines()
     size = sum(len(b) for n, b in dst_files(dst).items() if n.endswith(".safetensors"))

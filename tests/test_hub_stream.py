@@ -5,15 +5,9 @@ appears. huggingface_hub's own client runs in a child process (HF_ENDPOINT is re
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
-import pty
-import struct
-import subprocess
 import sys
-import termios
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +20,7 @@ from mxfp4conv.cli import cli as mxfp4conv_cli
 from tests.builders import build
 from tests.hub_server import Blob, HubServer, Request, fresh, hub
 from tests.ray_cluster import ray_head
+from tests.terminal import on_terminal
 from tests.test_hub_remote import cli, env
 
 CASES = [("ct-mxfp4", "quark"), ("modelopt-nvfp4", "ct"), ("gpt-oss", "marlin")]
@@ -279,24 +274,10 @@ def test_a_terminal_sees_the_bytes_streamed_their_rate_and_the_time_left(server:
                                                                          tmp_path: Path) -> None:
     """On a terminal (a pseudo-terminal of 120 columns here) ``--stream`` shows a bar of the source's bytes
     beside the output's: done of all, MB/s and the time left."""
-    leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "mxfp4conv", "convert", "org/modelopt-nvfp4", str(tmp_path / "out"),
-                             "--to", "ct", "--device", "cpu", "--stream"], env=env(server, tmp_path / "cache"),
-                            stdout=subprocess.DEVNULL, stderr=follower)
-    os.close(follower)
-    out = b""
-    while True:
-        try:
-            chunk = os.read(leader, 1 << 16)
-        except OSError:  # the child closed the terminal
-            break
-        if not chunk:
-            break
-        out += chunk
-    os.close(leader)
-    assert proc.wait(timeout=120) == 0, out.decode(errors="replace")
-    lines = out.decode(errors="replace").replace("\r", "\n").splitlines()
+    rc, text = on_terminal([sys.executable, "-m", "mxfp4conv", "convert", "org/modelopt-nvfp4", str(tmp_path / "out"),
+                            "--to", "ct", "--device", "cpu", "--stream"], env(server, tmp_path / "cache"))
+    assert rc == 0, text
+    lines = text.replace("\r", "\n").splitlines()
     size = sum(p.stat().st_size for p in repos["modelopt-nvfp4"].glob("*.safetensors"))
     done = [ln for ln in lines if ln.startswith("streaming: 100%")]
     shown = tqdm.format_sizeof(size, divisor=1000)
