@@ -84,23 +84,27 @@ def test_a_streamed_conversion_is_the_local_conversion(server: HubServer, repos:
     assert doc["hub"]["bytes_fetched_again"] == 0
 
 
-@pytest.mark.parametrize("target", ["ct", "quark"])
+@pytest.mark.parametrize(("target", "flags"), [("ct", ()), ("quark", ()), ("ct", ("--no-verify",))])
 def test_expert_groups_converted_as_their_bytes_arrive_make_the_local_output(server: HubServer, tmp_path: Path,
-                                                                             target: str) -> None:
+                                                                             target: str, flags: tuple[str, ...]) -> None:
     """Twelve experts: the file lists expert 10 before expert 2, so a layer's expert groups are converted
-    out of the plan's order and written in it; the output, its proof and its statistics are the local run's."""
+    out of the plan's order, each written at its place; the output, its proof (or none, with
+    --no-verify) and its statistics are the local run's."""
     src = build("modelopt-nvfp4", tmp_path / "src", shards=2, hidden=128, inter=64, experts=12)
     server.add_repo("org/twelve", src)
     local = CliRunner().invoke(mxfp4conv_cli, ["convert", str(src), str(tmp_path / "local"), "--to", target,
-                                               "--device", "cpu", "--json"])
+                                               "--device", "cpu", "--json", *flags])
     assert local.exit_code == 0, local.stderr
     got = cli(server, tmp_path / "cache", "convert", "org/twelve", str(tmp_path / "streamed"), "--to", target,
-              "--device", "cpu", "--stream", "--json")
+              "--device", "cpu", "--stream", "--json", *flags)
     assert got.returncode == 0, got.stderr
     assert files(tmp_path / "streamed") == files(tmp_path / "local")
     doc, want = json.loads(got.stdout), json.loads(local.stdout)
     assert doc["requant_stats"] == want["requant_stats"] and doc["requant_stats"]
-    assert doc["verify"]["units"] == want["verify"]["units"] and doc["verify"]["tensors"] == want["verify"]["tensors"]
+    if flags:
+        assert not doc.get("verify") and not want.get("verify")
+    else:
+        assert doc["verify"]["units"] == want["verify"]["units"] and doc["verify"]["tensors"] == want["verify"]["tensors"]
     assert doc["hub"]["bytes_fetched_again"] == 0
 
 
