@@ -98,6 +98,17 @@ class _OpenShard:
     fed: int = 0
 
 
+@dataclass
+class _Window:
+    """Shards written at once: each with its path; what they are made of, in the order it is fed: (shard,
+    unit or expert group, whether it ends a planned unit); and the order those are converted in
+    (indices into ``made``), in which expert groups come as their bytes arrive."""
+
+    todo: list[tuple[PlannedShard, Path]]
+    made: list[tuple[int, PlannedUnit, bool]]
+    turns: list[int]
+
+
 def extra_files(ckpt: Checkpoint) -> list[str]:
     """SRC's other top-level files (tokenizer, generation config, ...) that the output carries as they
     are, and ``hf_quant_config.json`` where there is one (kept only where layers stay NVFP4)."""
@@ -162,6 +173,8 @@ class Conversion:
         # the stream and end of the last unit with computed outputs (see ``_feed``)
         self._last: tuple[ShardStream, int] | None = None
         self._fold: dict[str, RequantStats] = {}  # the requant statistics of the unit being fed, so far
+        # what each planned unit is produced as (by id: the plan's units live as long as the run)
+        self._parts = {id(u): self._produced(u, rank.ctx) for rank, shard in job.output.shards() for u in shard.units}
         if job.needs_device and devices(job.opts)[0].startswith("cuda"):
             # GPU outputs are produced far faster than the disk takes them: a unit's worth queued keeps
             # the writer busy; outputs written from the GPU (io/device_write) hold none of this budget
@@ -179,7 +192,7 @@ class Conversion:
             for rank, out_dir, groups in work:
                 for group in groups:
                     self._write_window(group, rank.ctx)
-                    self.fin.settle(len(group))  # the previous window's shards, whose hash and fsync overlapped this one
+                    self.fin.settle(len(group.todo))  # the previous window's shards, whose hash and fsync overlapped this one
                 self.fin.settle()
                 if opts.partition is None:
                     self._finish_rank(rank, out_dir)
@@ -191,7 +204,7 @@ class Conversion:
         self.report.bytes_written = self.done
         return dict(sorted(self.outputs.items()))
 
-    def _todo(self, finished: dict[str, dict[str, Any]]) -> list[tuple[RankPlan, Path, list[list[tuple[PlannedShard, Path]]]]]:
+    def _todo(self, finished: dict[str, dict[str, Any]]) -> list[tuple[RankPlan, Path, list[_Window]]]:
         """Per rank, its folder and the windows of shards this run writes (those of its partition that
         no earlier run finished), in the order they are written."""
         opts = self.job.opts
@@ -210,10 +223,15 @@ class Conversion:
                     continue
                 if not self._reuse(shard, out_dir / shard.file, finished.get(shard.rel)):
                     todo.append((shard, out_dir / shard.file))
-            work.append((rank, out_dir, [[todo[g] for g in group] for group in windows(len(todo), most)]))
+            work.append((rank, out_dir, [self._window([todo[g] for g in group]) for group in windows(len(todo), most)]))
         return work
 
-    def _expect(self, work: list[tuple[RankPlan, Path, list[list[tuple[PlannedShard, Path]]]]]) -> None:
+    def _window(self, todo: list[tuple[PlannedShard, Path]]) -> _Window:
+        made = [(i, g, g is groups[-1]) for i, k in _window_order(todo)
+                for groups in (self._parts[id(todo[i][0].units[k])],) for g in groups]
+        return _Window(todo, made, arrival_order([g for _, g, _ in made], self.job.ckpt))
+
+    def _expect(self, work: list[tuple[RankPlan, Path, list[_Window]]]) -> None:
         """Tell each byte source the reads this run will make of it, in the order it makes them: a
         unit's source tensors once, a copied range once by the writer, once by the hasher and once by
         the proof."""
@@ -224,10 +242,9 @@ class Conversion:
         def add(source: ByteSource, file: Path, begin: int, end: int, times: int) -> None:
             reads.setdefault(id(source), (source, []))[1].append((file, begin, end, times))
 
-        for rank, _, groups in work:
-            for group in groups:
-                made, turns = self._made(group, rank.ctx)
-                for unit in (made[j][1] for j in turns):
+        for _, _, groups in work:
+            for w in groups:
+                for unit in (w.made[j][1] for j in w.turns):
                     if unit.direct is not None:
                         for s in unit.direct:
                             add(s.source, s.file, s.begin, s.begin + s.length, copies)
@@ -243,15 +260,15 @@ class Conversion:
         which a fetch in file order keeps until read: a copied unit's tensors are written in the plan's
         order (experts 0, 1, 2, against the file's 0, 1, 10, 100), and so are a unit's expert groups."""
         most = 0
-        for rank, shard in self.job.output.shards():
+        for _, shard in self.job.output.shards():
             for u in shard.units:
                 if u.direct is not None:
                     most = max(most, u.nbytes)
-                elif len(self._groups(u, rank.ctx)) > 1:
+                elif len(self._parts[id(u)]) > 1:
                     most = max(most, u.read_bytes)
         return most
 
-    def _groups(self, unit: PlannedUnit, ctx: WriterContext) -> tuple[PlannedUnit, ...]:
+    def _produced(self, unit: PlannedUnit, ctx: WriterContext) -> tuple[PlannedUnit, ...]:
         """What a unit is produced as: its expert groups from a remote source on one device (a unit read
         from local disk is there whole at once), else the unit."""
         job = self.job
@@ -314,10 +331,11 @@ class Conversion:
             if p.is_file() and rel not in self.outputs and not p.name.startswith(".mxfp4conv-progress"):
                 self.outputs[rel] = sha256_file(p)
 
-    def _write_window(self, todo: list[tuple[PlannedShard, Path]], ctx: WriterContext) -> None:
+    def _write_window(self, window: _Window, ctx: WriterContext) -> None:
         """Produce a window of shards at once, their units interleaved; each shard is handed to the
         finisher (hash, checks and fsync finishing on its threads) once its last unit is queued."""
         opened: list[_OpenShard] = []
+        todo, made, turns = window.todo, window.made, window.turns
         try:
             for shard, path in todo:
                 remove_tree(path)
@@ -326,7 +344,6 @@ class Conversion:
                 stream = ShardStream(path, [(t.name, t.dtype, t.shape) for t in shard.tensors],
                                      self.job.target.shard_metadata(ctx), self.fin.budget)
                 opened.append(_OpenShard(shard, path, stream))
-            made, turns = self._made(todo, ctx)
             at, count = [], [0] * len(todo)  # the index of each one's first tensor in its shard
             for i, unit, _ in made:
                 at.append(count[i])
@@ -365,15 +382,6 @@ class Conversion:
         sh.stream.write_ahead(index, list(res.outs), items[-1] if isinstance(items[-1], CheckRange) else None)
         res.outs, res.want = [], None
         return True
-
-    def _made(self, todo: list[tuple[PlannedShard, Path]], ctx: WriterContext
-              ) -> tuple[list[tuple[int, PlannedUnit, bool]], list[int]]:
-        """What a window is made of, in the order it is fed: (shard, unit or expert group, whether it
-        ends a planned unit); and the order they are converted in (indices into the first), in which
-        expert groups come as their bytes arrive."""
-        made = [(i, g, g is groups[-1]) for i, k in _window_order(todo)
-                for groups in (self._groups(todo[i][0].units[k], ctx),) for g in groups]
-        return made, arrival_order([g for _, g, _ in made], self.job.ckpt)
 
     def _feed(self, sh: _OpenShard, unit: PlannedUnit, res: UnitResult, ctx: WriterContext, last: bool,
               written: bool = False) -> None:
