@@ -6,7 +6,8 @@
 
 Alternating rounds, each in fresh processes with an empty huggingface_hub cache; wall seconds, the
 bytes the server sent, the most disk in use meanwhile (cache + output, sampled every 0.2 s) and at the
-end, and the peak RSS of the converting process. One JSON line per run, then the medians and their
+end, the peak RSS of the converting process, and how long the run went on after the link sent its
+last byte (``tail_s``). One JSON line per run, then the medians and their
 ratios.
 
     PYTHONPATH=. python3 benchmarks/bench_hub_stream.py [--layout ct-nvfp4] [--layers 2] [--rate-mb 100] [--rounds 3]
@@ -129,7 +130,8 @@ def main() -> None:
                         if case == "download+convert":
                             more, rss, _ = run([*convert, folder, str(out), *flags], e)
                             wall += more
-                doc = {"wall_s": round(wall, 2), "sent_gb": round(h.sent() / 1e9, 3),
+                    tail = time.monotonic() - h.link_free_at  # the case's end after the link's last byte
+                doc = {"wall_s": round(wall, 2), "tail_s": round(tail, 2), "sent_gb": round(h.sent() / 1e9, 3),
                        "disk_gb": round((du(cache) + du(out)) / 1e9, 3), "peak_disk_gb": round(disk.peak / 1e9, 3),
                        "output_gb": round(du(out) / 1e9, 3), "rss_gb": round(rss / 1e9, 3)}
                 rows[case].append(doc)

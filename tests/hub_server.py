@@ -195,6 +195,12 @@ class HubServer:
         with self._lock:
             return sum(r.received for r in self.log if match is None or match(r))
 
+    @property
+    def link_free_at(self) -> float:
+        """When the throttled link sent, or will have sent, the last body byte queued on it (time.monotonic)."""
+        with self._lock:
+            return self._next_free
+
     def sent(self, match: Callable[[Request], bool] | None = None) -> int:
         with self._lock:
             return sum(r.sent for r in self.log if match is None or match(r))
