@@ -255,19 +255,6 @@ class Conversion:
         for source, planned in reads.values():
             source.expect(planned)
 
-    def unordered_bytes(self) -> int:
-        """The most source bytes of one unit that are read in another order than they lie in their file,
-        which a fetch in file order keeps until read: a copied unit's tensors are written in the plan's
-        order (experts 0, 1, 2, against the file's 0, 1, 10, 100), and so are a unit's expert groups."""
-        most = 0
-        for _, shard in self.job.output.shards():
-            for u in shard.units:
-                if u.direct is not None:
-                    most = max(most, u.nbytes)
-                elif len(self._parts[id(u)]) > 1:
-                    most = max(most, u.read_bytes)
-        return most
-
     def _produced(self, unit: PlannedUnit, ctx: WriterContext) -> tuple[PlannedUnit, ...]:
         """What a unit is produced as: its expert groups from a remote source on one device (a unit read
         from local disk is there whole at once), else the unit."""

@@ -23,7 +23,6 @@ from mxfp4conv.check import InlineVerifier, check_structure
 from mxfp4conv.conversion import Conversion, Progress, ShardDone, extra_files
 from mxfp4conv.errors import ConvertError, OutputError, StagingError, UsageError
 from mxfp4conv.inspect import SCHEMA_VERSION
-from mxfp4conv.io import fetch
 from mxfp4conv.io.atomic import check_destination, publish, remove_tree, staging_path
 from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.io.hub import RemoteRepo
@@ -182,10 +181,9 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
             # the small files the output carries, fetched beside the shards rather than after them
             threading.Thread(target=_prefetch, args=(repo, extra_files(job.ckpt)), name="mxfp4conv-extras",
                              daemon=True).start()
-            # the budget also keeps the source bytes of the largest unit read out of file order; a
-            # partition or a resumed run fetches only the files its shards read (each whole, to check it)
+            # a partition or a resumed run fetches only the files its shards read (each whole, to check it)
             with repo.streaming(names, _fetch_counter(sum(repo.files[n].size for n in names), on_fetch),
-                                budget=fetch.BUDGET + run.unordered_bytes(), on_checked=run.fin.check_source,
+                                on_checked=run.fin.check_source,
                                 every_file=not (opts.partition is not None or opts.finish or opts.resume)) as stream:
                 outputs = run.write(finished, checked)
                 digests = stream.finish()

@@ -127,26 +127,43 @@ def _unit(spec: UnitSpec, ckpt: Checkpoint, target: Target, ctx: WriterContext) 
 
 def expert_groups(unit: PlannedUnit, ckpt: Checkpoint, layout: Layout, target: Target, ctx: WriterContext,
                   most: int = GROUP_READ_BYTES, least: int = MIN_GROUPS) -> tuple[PlannedUnit, ...]:
-    """A decoded MoE unit as consecutive groups of its experts, each reading at most ``most`` bytes and
-    at least ``least`` of them (one expert each at the least): units of their own whose outputs, one
+    """A decoded MoE unit as consecutive groups of its experts, units of their own whose outputs, one
     after the other, are the unit's. The unit alone where the layout reads it whole, the target does
-    not write expert after expert, or it is one group."""
+    not write expert after expert, or it is one group.
+
+    A group reads at most ``most`` bytes and holds at most 1/``least`` of the experts (one at the
+    least). It is also cut where the next expert's last byte lies more than ``most`` bytes from the
+    group's in the source shard, or in another shard: a file
+    in safetensors' order lists experts by name (0, 1, 10, 100, ..., 2, 20, ...), and a group is
+    converted once its last byte is in, so a group of experts whose bytes lie far apart would keep
+    the early ones waiting, and leave the work of all of them for the end of the stream."""
     spec = unit.spec
     if (spec.kind != "moe" or unit.direct is not None or spec.extra.get("fused") or not layout.READS_EXPERT_GROUPS
             or not target.EXPERT_MAJOR or not spec.dims):
         return (unit,)
-    n = spec.dims[0]
-    per = max(1, -(-unit.read_bytes // n))
-    step = max(1, min(most // per, -(-n // least)))
-    if step >= n:
+    step = -(-spec.dims[0] // least)
+    order = {f: n for n, f in enumerate(ckpt.shard_files)}
+    runs: list[list[int]] = []  # [first, stop, bytes, file, lowest last byte, highest last byte]
+    for e in range(spec.first, spec.experts.stop):
+        try:
+            one = expert_group(spec, e, e + 1)
+        except ValueError:  # a source shared by the layer's experts: read whole
+            return (unit,)
+        refs = [ckpt.tensors[name] for name in one.sources if name in ckpt.tensors]
+        size = sum(r.nbytes for r in refs)
+        file, last = max(((order.get(r.file, -1), r.end) for r in refs), default=(-1, 0))
+        run = runs[-1] if runs else None
+        if (run is not None and run[3] == file and e - run[0] < step and run[2] + size <= most
+                and max(run[5], last) - min(run[4], last) <= most):
+            run[1], run[2], run[4], run[5] = e + 1, run[2] + size, min(run[4], last), max(run[5], last)
+        else:
+            runs.append([e, e + 1, size, file, last, last])
+    if len(runs) < 2:
         return (unit,)
     groups: list[PlannedUnit] = []
     at = 0
-    for e0 in range(spec.first, spec.experts.stop, step):
-        try:
-            sub = expert_group(spec, e0, min(e0 + step, spec.experts.stop))
-        except ValueError:  # a source shared by the layer's experts: read whole
-            return (unit,)
+    for e0, e1, *_ in runs:
+        sub = expert_group(spec, e0, e1)
         outs = tuple(target.out_specs(sub, ctx))
         if outs != unit.outs[at:at + len(outs)]:  # not a run of the unit's outputs: produced whole
             return (unit,)

@@ -8,11 +8,12 @@ import hashlib
 import itertools
 import random
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
 
-from mxfp4conv.io.fetch import Corrupted, OrderedFetch
+from mxfp4conv.io.fetch import PATIENCE, Corrupted, OrderedFetch
 
 BLOCK = 1 << 10
 
@@ -36,9 +37,11 @@ class Store:
         return sum(e - b for _, b, e in self.asked)
 
 
-def make(store: Store, budget: int = 64 * BLOCK, connections: int = 4) -> OrderedFetch:
+def make(store: Store, budget: int = 64 * BLOCK, connections: int = 4, order_hold: bool = True,
+         patience: float = PATIENCE) -> OrderedFetch:
     return OrderedFetch({n: (len(d), hashlib.sha256(d).hexdigest()) for n, d in store.files.items()}, store.get,
-                        block=BLOCK, budget=budget, connections=connections)
+                        block=BLOCK, budget=budget, connections=connections, order_hold=order_hold,
+                        patience=patience)
 
 
 def read(f: OrderedFetch, name: str, begin: int, end: int, pieces: int = 1) -> bytes:
@@ -105,13 +108,13 @@ def test_a_small_budget_fetches_again_and_checks_what_it_let_go() -> None:
     a second fetch that differs from the first is never handed out."""
     files, reads = layout(3)
     store = Store(files)
-    f = make(store, budget=4 * BLOCK, connections=2)
+    f = make(store, budget=4 * BLOCK, connections=2, order_hold=False, patience=0)
     stream_through(f, files, reads)
     assert f.refetched > 0 and store.fetched() == sum(len(d) for d in files.values()) + f.refetched
     assert f.peak <= (4 + 2 + 1) * BLOCK  # the budget, the blocks in flight and the one being read
 
     store = Store(files)
-    f = make(store, budget=4 * BLOCK, connections=2)
+    f = make(store, budget=4 * BLOCK, connections=2, order_hold=False, patience=0)
     seen: set[tuple[str, int]] = set()
 
     def second_differs(name: str, begin: int, data: bytes) -> bytes:
@@ -128,6 +131,59 @@ def test_a_small_budget_fetches_again_and_checks_what_it_let_go() -> None:
             assert read(f, n, b, e) == files[n][b:e]
         f.finish()
     f.close()
+
+
+def test_the_blocks_an_out_of_order_read_needs_are_kept_beyond_the_budget() -> None:
+    """What the planned order keeps (``hold``) is added to the budget: reads in file order keep one
+    read's blocks, reads from the end back keep the whole file, and the reads of ``layout`` (each unit
+    one range near the start, one near the end) are fetched once with a budget of four blocks."""
+    data = random.Random(7).randbytes(6 * BLOCK)
+    for reads, hold in (([("a", k * BLOCK, (k + 1) * BLOCK) for k in range(6)], BLOCK),
+                        ([("a", 2 * k * BLOCK, (2 * k + 2) * BLOCK) for k in range(3)], 2 * BLOCK),
+                        ([("a", k * BLOCK, (k + 1) * BLOCK) for k in reversed(range(6))], 6 * BLOCK),
+                        ([("a", 0, 1), ("a", 5 * BLOCK, 5 * BLOCK + 1), ("a", 1, 2)], 2 * BLOCK)):
+        store = Store({"a": data})
+        f = make(store, budget=BLOCK, connections=2)
+        stream_through(f, {"a": data}, reads)
+        assert f.hold == hold and f.refetched == 0 and store.fetched() == len(data)
+
+    files, reads = layout(3)
+    store = Store(files)
+    f = make(store, budget=4 * BLOCK, connections=2)
+    stream_through(f, files, reads)
+    assert f.refetched == 0 and store.fetched() == sum(len(d) for d in files.values())
+    assert 4 * BLOCK < f.hold < len(files["a"]) and f.peak <= f.hold + (4 + 2 + 1) * BLOCK
+
+
+@pytest.mark.parametrize("patience", [PATIENCE, 0.0])
+def test_a_fetch_over_its_budget_waits_for_lagging_readers_before_letting_blocks_go(patience: float) -> None:
+    """Each range is read twice, the second time 30 ms after the first (the writer, then the proof): the
+    blocks the second reader has still to read fill the budget. A reader that must have a block beyond
+    it waits for the lagging reader to let go of some rather than dropping blocks fetched ahead, which
+    would be fetched again (``patience`` 0)."""
+    files, reads = layout(3)
+    store = Store(files)
+    f = make(store, budget=2 * BLOCK, connections=2, patience=patience)
+    f.expect((n, b, e, 2) for n, b, e in reads)
+    done: list[float] = []
+
+    def lagging() -> None:
+        for i, (n, b, e) in enumerate(reads):
+            while len(done) <= i:
+                time.sleep(0.001)
+            time.sleep(max(0.0, done[i] + 0.03 - time.monotonic()))
+            assert read(f, n, b, e) == files[n][b:e]
+
+    t = threading.Thread(target=lagging)
+    t.start()
+    for n, b, e in reads:
+        assert read(f, n, b, e) == files[n][b:e]
+        done.append(time.monotonic())
+    t.join()
+    f.finish()
+    f.close()
+    assert (f.refetched == 0) == (patience > 0)
+    assert store.fetched() == sum(len(d) for d in files.values()) + f.refetched
 
 
 def test_a_corrupted_block_fails_its_file() -> None:

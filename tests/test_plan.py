@@ -85,6 +85,12 @@ def test_a_moe_unit_in_expert_groups_is_the_unit_in_consecutive_runs(tmp_path: P
         # at most ``most`` bytes read per group: one expert each here
         assert [g.spec.experts for g in expert_groups(u, job.ckpt, job.layout, job.target, rank.ctx,
                                                      most=u.read_bytes // 12)] == [range(e, e + 1) for e in range(12)]
+        # cut where the next expert's last byte lies more than ``most`` from the group's: the file lists
+        # experts 0, 1, 10, 11, 2, ..., 9, so 2 does not join 0-1 (10 and 11 lie between), nor 10 8-9
+        per = u.read_bytes // 12
+        assert [g.spec.experts for g in expert_groups(u, job.ckpt, job.layout, job.target, rank.ctx,
+                                                     most=3 * per + per // 2, least=1)] == [
+            range(0, 2), range(2, 5), range(5, 8), range(8, 10), range(10, 12)]
         # the groups, read and encoded on their own, are the unit's bytes
         whole = job.target.encode(job.layout.read(job.ckpt, u.spec), u.spec, rank.ctx)
         parts = [t for g in groups for t in job.target.encode(job.layout.read(job.ckpt, g.spec), g.spec, rank.ctx)]

@@ -6,8 +6,9 @@ the publisher's sha256. ``OrderedFetch`` serves all of them from one pass: each 
 ``block``-sized ranges, in file order, by several connections at once; each block is hashed into its
 file's sha256 as soon as the blocks before it are, and kept while the conversion still has planned
 reads of it (``expect``: the reads a run will make, in the order it makes them, with how many times).
-The fetch runs ahead of the reads within ``budget`` bytes of kept blocks; a read of a block not yet
-fetched fetches up to it at once. Each file is checked as soon as its last block is hashed
+The fetch runs ahead of the reads within ``budget`` bytes of kept blocks, beyond those the planned
+order itself keeps (``hold``: blocks fetched for a later read before an earlier one's are read); a
+read of a block not yet fetched fetches up to it at once. Each file is checked as soon as its last block is hashed
 (``on_checked``), so that what was made of it can be trusted before the run ends; with
 ``every_file`` False only the files the reads touch are fetched (each still whole, to be checked).
 
@@ -24,21 +25,24 @@ No HTTP here: ``get(name, begin, end)`` fetches a range (``io/hub.py`` gives hug
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from mxfp4conv.errors import InputError
 
-__all__ = ["BLOCK", "BUDGET", "CONNECTIONS", "Corrupted", "OrderedFetch"]
+__all__ = ["BLOCK", "BUDGET", "CONNECTIONS", "PATIENCE", "Corrupted", "OrderedFetch"]
 
 # 16 MiB ranges: a 700 GB release in ~45k requests, and small enough that a unit's neighbours in its
 # shard are not held long; four connections keep a throttled or distant link busy between them.
 BLOCK = 16 << 20
 CONNECTIONS = 4
-BUDGET = 192 << 20  # bytes of fetched blocks kept (ahead of the reads, or still to be read again)
+BUDGET = 192 << 20  # bytes of fetched blocks kept ahead of the reads, beyond what their order keeps
+PATIENCE = 1.0  # seconds a fetch over the budget waits for lagging readers before letting blocks go
 
 Key = tuple[str, int]
 Data = bytes | bytearray  # a fetched block
@@ -60,16 +64,21 @@ class _File:
 
 
 class OrderedFetch:
-    """Files ``name -> (size, sha256)`` read through ``get``; see the module docstring."""
+    """Files ``name -> (size, sha256)`` read through ``get``; see the module docstring. With
+    ``order_hold`` False, ``budget`` bounds every kept block: what an out-of-order read needs beyond it
+    is let go and fetched again."""
 
     def __init__(self, files: dict[str, tuple[int, str | None]], get: Callable[[str, int, int], Data], *,
                  claims: dict[str, list[tuple[int, bytes]]] | None = None, label: Callable[[str], str] = str,
                  block: int = BLOCK, budget: int = BUDGET, connections: int = CONNECTIONS,
                  on_fetch: Callable[[int], None] | None = None,
-                 on_checked: Callable[[str, str], None] | None = None, every_file: bool = True) -> None:
+                 on_checked: Callable[[str, str], None] | None = None, every_file: bool = True,
+                 order_hold: bool = True, patience: float = PATIENCE) -> None:
         self._files = {n: _File(s, h) for n, (s, h) in files.items()}
         self._claims = {n: list(c) for n, c in (claims or {}).items() if n in self._files}
-        self._get, self._label, self._block, self._budget = get, label, block, budget
+        self._get, self._label, self._block, self._ahead = get, label, block, budget
+        self._budget = budget  # ``budget`` ahead of the reads, and what their order keeps (``expect``)
+        self._order_hold_on, self._patience = order_hold, patience
         self._connections, self._on_fetch, self._on_checked = connections, on_fetch, on_checked
         self._every_file = every_file
         self._checked: dict[str, str] = {}  # files whose every byte is hashed and matched: their sha256
@@ -95,6 +104,7 @@ class OrderedFetch:
         self.fetched = 0  # bytes fetched (each block once, unless fetched again)
         self.refetched = 0
         self.peak = 0  # most bytes kept or in flight at once
+        self.hold = 0  # most bytes the planned reads' order keeps at once (``_order_hold``)
 
     def has(self, name: str) -> bool:
         return name in self._files
@@ -104,6 +114,8 @@ class OrderedFetch:
         """Planned reads ``(name, begin, end, times)`` in the order they will come; blocks are fetched in
         file order as far as each read needs, every file to its end after the last read."""
         with self._cv:
+            reach: list[int] = []  # per read: the furthest place in the fetch order it or one before needs
+            last: dict[Key, int] = {}  # per block: its last read (an index of ``reach``)
             for name, begin, end, times in reads:
                 if end <= begin or name not in self._files:
                     continue
@@ -114,7 +126,12 @@ class OrderedFetch:
                     lo, hi = max(begin, k * self._block), min(end, (k + 1) * self._block)
                     self._need[key] = self._need.get(key, 0) + (hi - lo) * times
                     self._first.setdefault(key, rank)
+                    last[key] = len(reach)
                 self._extend(name, -(-end // self._block))
+                reach.append(max(reach[-1] if reach else -1, self._pos[(name, -(-end // self._block) - 1)]))
+            if self._order_hold_on:
+                self.hold = max(self.hold, self._order_hold(reach, last))
+                self._budget = self._ahead + self.hold
             early = {n for n, _ in self._early}  # files a reader took bytes of before the plan came
             for name in self._files:
                 if self._every_file or name in self._frontier or name in early:
@@ -127,6 +144,24 @@ class OrderedFetch:
             t = threading.Thread(target=self._work, name=f"mxfp4conv-fetch-{len(self._threads)}", daemon=True)
             self._threads.append(t)
             t.start()
+
+    def _order_hold(self, reach: list[int], last: dict[Key, int]) -> int:
+        """The most bytes of blocks that reads in this order keep at once when the fetch goes no further
+        than they need: a block is kept from the first read that needs the fetch to reach it (its own,
+        or a later block's) to its own last read. Reads in file order keep at most the blocks of one
+        read; a unit read out of file order (a rename's experts 0, 1, 2 against the file's 0, 1, 10,
+        100) keeps what lies between."""
+        steps: list[tuple[int, int]] = []
+        for key, end in last.items():
+            start = bisect.bisect_left(reach, self._pos[key])
+            if start <= end:
+                b, e = self._range(key)
+                steps += [(start, e - b), (end + 1, b - e)]
+        most = now = 0
+        for _, n in sorted(steps):
+            now += n
+            most = max(most, now)
+        return most
 
     def _blocks(self, name: str) -> int:
         return -(-self._files[name].size // self._block)
@@ -183,7 +218,7 @@ class OrderedFetch:
                 if key not in self._gone and p is not None and p >= self._nxt:
                     if self._need.get(key, 0) <= 0:  # an unplanned read: kept for it once fetched
                         self._need[key] = n
-                    if p > self._urgent:  # the fetch goes on to it whatever it keeps (see _evict)
+                    if p > self._urgent:  # the fetch goes on to it whatever it keeps (see _make_room)
                         self._urgent = p
                         self._wait_rank = self._first.get(key, -1)
                         self._cv.notify_all()
@@ -265,10 +300,10 @@ class OrderedFetch:
                 self._nxt += 1
                 taken = key in self._kept or key in self._gone  # by a reader's own fetch meanwhile
                 if not taken:
-                    self._evict()
                     b, e = self._range(key)
                     self._inflight.add(key)
                     self._held += e - b
+                    self._make_room()
             if not taken:
                 try:
                     data = self._fetch(key)
@@ -291,10 +326,19 @@ class OrderedFetch:
             return False
         return self._nxt <= self._urgent or self._held + self._block <= self._budget
 
-    def _evict(self) -> None:
-        """Over the budget (a reader is waiting): let go of kept, hashed blocks whose first planned read
-        comes after that of the block it waits for, latest first; they are fetched again when read."""
-        while self._held + self._block > self._budget:
+    def _make_room(self) -> None:
+        """Over the budget (a reader waits for this block): first wait up to ``patience`` seconds for
+        readers that lag the one waiting (the writer, the hasher and the proof each read a copied
+        range, one after the other) to let go of what they hold; then let go of kept, hashed blocks
+        whose first planned read comes after that of the block the reader waits for, latest first:
+        they are fetched again when read."""
+        deadline = time.monotonic() + self._patience
+        while self._held > self._budget and self._error is None and not self._closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._cv.wait(left)
+        while self._held > self._budget:
             cands = [c for c in self._kept
                      if c[1] < self._files[c[0]].hashed and self._first.get(c, -1) > self._wait_rank]
             if not cands:
@@ -354,6 +398,7 @@ class OrderedFetch:
         ``Corrupted`` naming the first that differs."""
         with self._cv:
             self._urgent = len(self._seq)  # nothing reads any more: fetch the rest regardless of the budget
+            self._patience = 0.0
             self._cv.notify_all()
             wanted = [n for n in self._files if self._every_file or n in self._frontier]
             while self._error is None and any(n not in self._checked for n in wanted):
