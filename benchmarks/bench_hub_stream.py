@@ -98,13 +98,14 @@ def main() -> None:
     ap.add_argument("--layout", default="ct-nvfp4", help="gen_checkpoint.py's layout of the repo")
     ap.add_argument("--target", default="ct")
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--shape", default="qwen3", choices=["qwen3", "deepseek"], help="gen_checkpoint.py's expert shape")
     ap.add_argument("--rate-mb", type=float, default=100.0, help="the Hub's rate, MB/s (all connections)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench_hub_stream"))
     a = ap.parse_args()
     shutil.rmtree(a.work, ignore_errors=True)
     src = a.work / "src"
-    generate(src, a.layout, a.layers)
+    generate(src, a.layout, a.layers, shape=a.shape)
     size = du(src)
     py = sys.executable
     convert = [py, "-m", "mxfp4conv", "convert"]
@@ -136,7 +137,7 @@ def main() -> None:
                        "output_gb": round(du(out) / 1e9, 3), "rss_gb": round(rss / 1e9, 3)}
                 rows[case].append(doc)
                 print(json.dumps({"date": time.strftime("%Y-%m-%d"), "case": case, "round": r + 1, "layout": a.layout,
-                                  "layers": a.layers, "source_gb": round(size / 1e9, 3), "rate_mb_s": a.rate_mb, **doc}),
+                                  "shape": a.shape, "layers": a.layers, "source_gb": round(size / 1e9, 3), "rate_mb_s": a.rate_mb, **doc}),
                       flush=True)
     med = {case: statistics.median(d["wall_s"] for d in v) for case, v in rows.items()}
     print(json.dumps({"case": "median", "layout": a.layout, "layers": a.layers, "source_gb": round(size / 1e9, 3),

@@ -2,7 +2,8 @@
 
 Qwen3-30B-A3B-like (hidden 2048, moe_intermediate 768, 128 experts) as ct-mxfp4 / modelopt-nvfp4 /
 ct-nvfp4, and GPT-OSS-20b-like (hidden 2880, intermediate 2880, 32 experts) as gpt-oss. Layer count
-sets the size. Non-expert tensors are small bf16 stand-ins (attention, norms, router).
+sets the size. ``--shape deepseek``: the same Qwen3-MoE model with DeepSeek-V3-sized routed experts
+(hidden 7168, moe_intermediate 2048, 256 experts: 6.3 GB per NVFP4 layer), for what a large layer holds. Non-expert tensors are small bf16 stand-ins (attention, norms, router).
 
     python benchmarks/gen_checkpoint.py OUT --layout ct-mxfp4 --layers 13
 """
@@ -20,7 +21,8 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from tiny import _ct_qconfig, gpt_oss_config, qwen3_config
 
-SHAPES = {"qwen3": {"experts": 128, "hidden": 2048, "inter": 768}, "gpt-oss": {"experts": 32, "hidden": 2880, "inter": 2880}}
+SHAPES = {"qwen3": {"experts": 128, "hidden": 2048, "inter": 768}, "gpt-oss": {"experts": 32, "hidden": 2880, "inter": 2880},
+          "deepseek": {"experts": 256, "hidden": 7168, "inter": 2048}}
 
 
 def _rand(gen: torch.Generator, lo: int, hi: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -42,9 +44,9 @@ def _e4m3(gen: torch.Generator, *shape: int) -> torch.Tensor:
     return _rand(gen, 0x30, 0x70, shape).view(torch.float8_e4m3fn)
 
 
-def layer_tensors(layout: str, layer: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def layer_tensors(layout: str, layer: int, gen: torch.Generator, shape: str = "qwen3") -> dict[str, torch.Tensor]:
     gpt = layout == "gpt-oss"
-    s = SHAPES["gpt-oss" if gpt else "qwen3"]
+    s = SHAPES["gpt-oss" if gpt else shape]
     e, h, i = s["experts"], s["hidden"], s["inter"]
     p = f"model.layers.{layer}"
     t: dict[str, torch.Tensor] = {
@@ -79,12 +81,13 @@ def layer_tensors(layout: str, layer: int, gen: torch.Generator) -> dict[str, to
     return t
 
 
-def generate(out: Path, layout: str, layers: int, layers_per_shard: int = 2, device: str | None = None) -> Path:
+def generate(out: Path, layout: str, layers: int, layers_per_shard: int = 2, device: str | None = None,
+             shape: str = "qwen3") -> Path:
     """Write the checkpoint; random bytes come from ``device`` (default: the GPU when one is visible,
     else the CPU; the CPU's bytes are those of every earlier session, a GPU's differ: both random)."""
     out.mkdir(parents=True, exist_ok=True)
     gpt = layout == "gpt-oss"
-    s = SHAPES["gpt-oss" if gpt else "qwen3"]
+    s = SHAPES["gpt-oss" if gpt else shape]
     cfg = (gpt_oss_config if gpt else qwen3_config)(layers, s["experts"], s["hidden"], s["inter"])
     if gpt:
         cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
@@ -105,7 +108,7 @@ def generate(out: Path, layout: str, layers: int, layers_per_shard: int = 2, dev
     for sidx in range(n_shards):
         t: dict[str, torch.Tensor] = {}
         for layer in range(sidx * layers_per_shard, min(layers, (sidx + 1) * layers_per_shard)):
-            t.update(layer_tensors(layout, layer, gen))
+            t.update(layer_tensors(layout, layer, gen, shape))
         if sidx == 0:
             t["model.embed_tokens.weight"] = torch.zeros(1024, s["hidden"], dtype=torch.bfloat16)
             t["model.norm.weight"] = torch.ones(s["hidden"], dtype=torch.bfloat16)
@@ -131,8 +134,9 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--layout", default="ct-mxfp4", choices=["ct-mxfp4", "gpt-oss", "modelopt-nvfp4", "ct-nvfp4"])
     ap.add_argument("--layers", type=int, default=13)
+    ap.add_argument("--shape", default="qwen3", choices=["qwen3", "deepseek"])
     args = ap.parse_args()
-    print(generate(args.out, args.layout, args.layers))
+    print(generate(args.out, args.layout, args.layers, shape=args.shape))
 
 
 if __name__ == "__main__":

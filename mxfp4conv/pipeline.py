@@ -129,7 +129,11 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
     job = prepare(src, opts)
     if needs_device(job.ctx) and not early:
         _start_device(opts)
-    return _convert(src, Path(dst), job, t_start, on_progress, on_fetch, on_shard)
+    try:
+        return _convert(src, Path(dst), job, t_start, on_progress, on_fetch, on_shard)
+    finally:
+        if job.ckpt.remote is not None:  # a fetch started early and not taken over (the run stopped before)
+            job.ckpt.remote.end_prefetch()
 
 
 def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: Progress | None,
@@ -139,6 +143,15 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
     opts = dataclasses.replace(opts, device=resolve_device(opts.device, needs_device(ctx)))
     job = job.with_options(opts)
     report = ConvertReport(str(src), str(dst), plan.layout, target.NAME, "dry-run" if opts.dry_run else "converted")
+    repo = job.ckpt.remote
+    names = [repo.name_of(f) for f in job.ckpt.shard_files] if repo is not None else []
+    fetch_count = _fetch_counter(sum(repo.files[n].size for n in names), on_fetch) if repo is not None else None
+    # a whole stream starts now: its first blocks come in while torch is imported and the run is set
+    # up (a partition or a resumed run knows which files it reads only once its shards are planned)
+    every_file = not (opts.partition is not None or opts.finish or opts.resume)
+    if (repo is not None and every_file and not opts.dry_run
+            and not (opts.skip_if_current and (dst / MANIFEST).exists())):
+        repo.prefetch(names, fetch_count)
     if needs_device(ctx):
         report.compute = {"devices": devices(opts), "cpu_kernel": cpu_kernel(opts.device, not opts.dry_run)}
     fingerprint: dict[str, Any] = {"tool": __version__, "source": source_fingerprint(job.ckpt),
@@ -171,20 +184,16 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
     verifier = InlineVerifier(target, str(src), str(dst)) if opts.verify else None
     try:
         run = Conversion(job, staging, report, fingerprint, verifier, on_progress, on_shard)
-        repo = job.ckpt.remote
         if repo is None:
             outputs = run.write(finished)
         else:
             # the shards fetched once, in order, while the conversion reads them; every shard's bytes
             # against the Hub's sha256 before anything is published
-            names = [repo.name_of(f) for f in job.ckpt.shard_files]
             # the small files the output carries, fetched beside the shards rather than after them
             threading.Thread(target=_prefetch, args=(repo, extra_files(job.ckpt)), name="mxfp4conv-extras",
                              daemon=True).start()
             # a partition or a resumed run fetches only the files its shards read (each whole, to check it)
-            with repo.streaming(names, _fetch_counter(sum(repo.files[n].size for n in names), on_fetch),
-                                on_checked=run.fin.check_source,
-                                every_file=not (opts.partition is not None or opts.finish or opts.resume)) as stream:
+            with repo.streaming(names, fetch_count, on_checked=run.fin.check_source, every_file=every_file) as stream:
                 outputs = run.write(finished, checked)
                 digests = stream.finish()
             # this run's checks, and those of earlier runs whose shards it took

@@ -186,6 +186,33 @@ def test_a_fetch_over_its_budget_waits_for_lagging_readers_before_letting_blocks
     assert store.fetched() == sum(len(d) for d in files.values()) + f.refetched
 
 
+def test_a_fetch_started_before_the_plan_keeps_its_blocks_until_the_reads_are_known() -> None:
+    """``prefetch`` fetches the start of a file before ``expect``: every block it brings is kept (the
+    reads to come may need it), those no read needs are let go once the plan is known, and nothing is
+    fetched twice; a file checked before anyone asked is reported to ``checked_to`` then."""
+    files, reads = layout(5)
+    store = Store(files)
+    f = make(store, budget=8 * BLOCK)
+    f.prefetch("a", 6 * BLOCK)
+    deadline = time.monotonic() + 30
+    while store.fetched() < 6 * BLOCK and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(0.05)
+    assert store.fetched() == 6 * BLOCK  # no further than asked before the plan
+    assert f.peak == 6 * BLOCK  # every block kept: the plan is not known yet
+    stream_through(f, files, reads)
+    assert f.refetched == 0 and store.fetched() == sum(len(d) for d in files.values())
+
+    small = {"s": random.Random(6).randbytes(2 * BLOCK + 5)}
+    f = make(Store(small))
+    f.prefetch("s", 8 * BLOCK)
+    assert f.finish() == {"s": hashlib.sha256(small["s"]).hexdigest()}
+    got: list[tuple[str, str]] = []
+    f.checked_to(lambda name, digest: got.append((name, digest)))
+    assert got == [("s", hashlib.sha256(small["s"]).hexdigest())]
+    f.close()
+
+
 def test_a_corrupted_block_fails_its_file() -> None:
     files, reads = layout(4)
     store = Store(files)

@@ -105,6 +105,7 @@ class OrderedFetch:
         self.refetched = 0
         self.peak = 0  # most bytes kept or in flight at once
         self.hold = 0  # most bytes the planned reads' order keeps at once (``_order_hold``)
+        self._planned = True  # False from ``prefetch`` to ``expect``: every block is kept
 
     def has(self, name: str) -> bool:
         return name in self._files
@@ -132,6 +133,10 @@ class OrderedFetch:
             if self._order_hold_on:
                 self.hold = max(self.hold, self._order_hold(reach, last))
                 self._budget = self._ahead + self.hold
+            if not self._planned:  # blocks fetched before the plan: kept only if read
+                self._planned = True
+                for key in list(self._kept):
+                    self._drop_if_done(key)
             early = {n for n, _ in self._early}  # files a reader took bytes of before the plan came
             for name in self._files:
                 if self._every_file or name in self._frontier or name in early:
@@ -140,6 +145,27 @@ class OrderedFetch:
         for name, f in self._files.items():  # an empty file has no block to finish its hash
             if f.size == 0 and (self._every_file or name in self._frontier) and name not in self._checked:
                 self._check_file(name, f)
+        self._start()
+
+    def prefetch(self, name: str, upto: int) -> None:
+        """Start fetching file ``name`` from its first byte, at most ``upto`` bytes of it, before the
+        reads are known, keeping every block until ``expect`` says which are read: the link is busy
+        while the process that reads them is still setting up."""
+        with self._cv:
+            self._planned = False
+            self._extend(name, min(self._blocks(name), max(1, upto // self._block)))
+        self._start()
+
+    def checked_to(self, on_checked: Callable[[str, str], None] | None) -> None:
+        """Report each file checked from now on to ``on_checked``, and those checked already."""
+        with self._cv:
+            self._on_checked = on_checked
+            done = dict(self._checked)
+        if on_checked is not None:
+            for name, digest in done.items():
+                on_checked(name, digest)
+
+    def _start(self) -> None:
         while len(self._threads) < self._connections:
             t = threading.Thread(target=self._work, name=f"mxfp4conv-fetch-{len(self._threads)}", daemon=True)
             self._threads.append(t)
@@ -242,7 +268,7 @@ class OrderedFetch:
 
     def _drop_if_done(self, key: Key) -> None:
         name, k = key
-        if key in self._kept and k < self._files[name].hashed and self._need.get(key, 0) <= 0:
+        if self._planned and key in self._kept and k < self._files[name].hashed and self._need.get(key, 0) <= 0:
             b, e = self._range(key)
             del self._kept[key]
             self._held -= e - b
@@ -388,8 +414,9 @@ class OrderedFetch:
                                  "run the command again")
         with self._cv:
             self._checked[name] = got
-        if self._on_checked is not None:
-            self._on_checked(name, got)
+            report = self._on_checked
+        if report is not None:
+            report(name, got)
 
     # the end -----------------------------------------------------------------------------------
     def finish(self) -> dict[str, str]:

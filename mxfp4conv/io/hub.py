@@ -103,6 +103,7 @@ class RemoteRepo:
     _claims: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict, repr=False)
     _headers: dict[str, bytes] = field(default_factory=dict, repr=False)
     _stream: OrderedFetch | None = field(default=None, repr=False)
+    _early: tuple[list[str], OrderedFetch] | None = field(default=None, repr=False)  # ``prefetch``'s
     _count: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards ``fetched``
 
     @property
@@ -137,16 +138,44 @@ class RemoteRepo:
                   every_file: bool = True) -> Iterator[OrderedFetch]:
         """Files ``names`` read through one in-order fetch while the block runs, keeping at most about
         ``budget`` bytes of them, each checked against the Hub's sha256 once read whole
-        (``on_checked``); ``every_file`` False: only those the conversion reads (io/fetch.py)."""
-        stream = OrderedFetch({n: (self.files[n].size, self.files[n].sha256) for n in names}, self.read_range,
-                              claims=self._claims, label=lambda n: str(self.path(n)), on_fetch=on_fetch,
-                              budget=budget, on_checked=on_checked, every_file=every_file)
+        (``on_checked``); ``every_file`` False: only those the conversion reads (io/fetch.py). The
+        fetch ``prefetch`` started for the same files is taken over, with its ``on_fetch``."""
+        early, self._early = self._early, None
+        if early is not None and early[0] == names and every_file:
+            stream = early[1]
+            stream.checked_to(on_checked)
+        else:
+            if early is not None:
+                early[1].close()
+            stream = self._fetch(names, on_fetch, budget=budget, on_checked=on_checked, every_file=every_file)
         self._stream = stream
         try:
             yield stream
         finally:
             self._stream = None
             stream.close()
+
+    def prefetch(self, names: list[str], on_fetch: Callable[[int], None] | None = None, *,
+                 upto: int = BUDGET) -> None:
+        """Start the in-order fetch of ``names`` (every one whole) now, at most ``upto`` bytes of the first
+        before the reads are known; ``streaming`` of the same files takes it over, ``end_prefetch``
+        stops it if none does."""
+        self.end_prefetch()
+        stream = self._fetch(names, on_fetch, budget=BUDGET, on_checked=None, every_file=True)
+        self._early = (list(names), stream)
+        if names:
+            stream.prefetch(names[0], upto)
+
+    def end_prefetch(self) -> None:
+        early, self._early = self._early, None
+        if early is not None:
+            early[1].close()
+
+    def _fetch(self, names: list[str], on_fetch: Callable[[int], None] | None, *, budget: int,
+               on_checked: Callable[[str, str], None] | None, every_file: bool) -> OrderedFetch:
+        return OrderedFetch({n: (self.files[n].size, self.files[n].sha256) for n in names}, self.read_range,
+                            claims=self._claims, label=lambda n: str(self.path(n)), on_fetch=on_fetch,
+                            budget=budget, on_checked=on_checked, every_file=every_file)
 
     # the ByteSource interface (io/source.py)
     def read_into(self, file: Path, offset: int, bufs: list[memoryview]) -> int:

@@ -170,6 +170,17 @@ class _Written:
     length: int
 
 
+@dataclass(frozen=True)
+class _Ahead:
+    """Buffers the writer thread writes at file offset ``begin`` (``ShardStream.write_ahead``), ahead of
+    bytes before them; then it queues ``check`` of ``[begin, end)``."""
+
+    bufs: list[bytes | memoryview]
+    begin: int
+    end: int
+    check: CheckRange | None
+
+
 # Called on the check thread as (shard path, begin, end) just before a range is checked: a test hook
 # (tests flip a staged byte here, between the write and the check). None in normal use.
 CHECK_HOOK: Callable[[Path, int, int], None] | None = None
@@ -657,9 +668,10 @@ class ShardStream:
             self._bufs, self._held = [], 0
 
     def write_ahead(self, index: int, tensors: list[torch.Tensor], check: CheckRange | None) -> None:
-        """Write host tensors ``index, index + 1, ...`` at their place in the file now, ahead of tensors
-        before them still to come, and queue ``check`` of their bytes at once (they are in the file);
-        ``feed_written`` then takes their turn in the file's order, and the hasher reads them back."""
+        """Queue host tensors ``index, index + 1, ...`` to be written at their place in the file, ahead
+        of tensors before them still to come, and ``check`` of their bytes once they are there (the
+        writer thread's, so the caller goes on converting); ``feed_written`` then takes their turn in
+        the file's order, and the hasher reads them back."""
         bufs: list[bytes | memoryview] = []
         for k, t in enumerate(tensors):
             name, dtype, shape, nbytes = self._sized[index + k]
@@ -667,11 +679,8 @@ class ShardStream:
             if len(raw) != nbytes:
                 raise AssertionError(f"{name}: produced {len(raw)} bytes, planned {nbytes} ({dtype}{list(shape)})")
             bufs.append(raw)
-        begin = self._starts[index]
         end = self._starts[index + len(tensors)]
-        self._writer.write_at(bufs, begin)
-        if check is not None:
-            self._writer.put_check(check, begin, end, ahead=True)
+        self._writer.put_ahead(_Ahead(bufs, self._starts[index], end, check))
         self._ahead[index] = (len(tensors), end)
 
     def feed_written(self, count: int) -> None:
@@ -789,7 +798,7 @@ class _BackgroundWriter:
         # file for the shard's lifetime: a ct-mxfp4 rename copies ~10,000 small tensors
         self._fds: tuple[dict[Path, int | None], dict[Path, int | None]] = ({}, {})
         self._wq: queue.Queue[bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | DeviceBytes
-                              | _Written | None] = queue.Queue()
+                              | _Written | _Ahead | None] = queue.Queue()
         self._hq: queue.Queue[int | tuple[FileSlice, ...] | None] = queue.Queue()  # buffers by size
         self._cq: queue.Queue[tuple[CheckRange, int, int, bool] | None] = queue.Queue()  # ranges to check (, written ahead)
         self._checks = 0
@@ -811,6 +820,7 @@ class _BackgroundWriter:
 
     def _write_loop(self) -> None:
         while (raw := self._wq.get()) is not None:
+            ahead = isinstance(raw, _Ahead)
             size = _size(raw)
             held = 0 if isinstance(raw, tuple | DeviceBytes | _Written) else size  # those hold no host memory
             wrote = False
@@ -825,6 +835,10 @@ class _BackgroundWriter:
                     elif isinstance(raw, _Written):
                         os.lseek(self._fh.fileno(), raw.length, os.SEEK_CUR)
                         self._wb.advance(raw.length)
+                    elif isinstance(raw, _Ahead):
+                        self._write_at(raw.bufs, raw.begin)
+                        if raw.check is not None:
+                            self._cq.put((raw.check, raw.begin, raw.end, True))
                     else:
                         self._write(raw)
                     self._busy[0] += time.perf_counter() - t0
@@ -834,7 +848,7 @@ class _BackgroundWriter:
             # the buffers are let go before anyone learns they are written (``wait_written``), so
             # their memory is free by then, and not held while the next item is awaited
             del raw
-            if wrote:
+            if wrote and not ahead:  # ``_written`` counts the file's bytes in order
                 with self._cond:
                     self._written += size
                     self._cond.notify_all()
@@ -1065,29 +1079,37 @@ class _BackgroundWriter:
                 self._cond.wait()
         self._raise()
 
-    def write_at(self, bufs: list[bytes | memoryview], pos: int) -> None:
-        """Write ``bufs`` at file offset ``pos`` now, on the caller's thread (``pwritev``: the writer's
-        own position is not moved; the range is one it will skip)."""
+    def put_ahead(self, item: _Ahead) -> None:
+        """Queue buffers to be written at their offset, and then their check (``_Ahead``): the buffers
+        and the check's held bytes count against the budget until written and checked."""
         self._raise()
-        views = [memoryview(b) for b in bufs if len(b)]  # an empty tensor writes nothing (and pwritev would return 0)
-        try:
-            while views:
-                n = os.pwritev(self._fh.fileno(), views[:BATCH_SLICES], pos)
-                if not n:
-                    raise OSError(28, "No space left on device")
-                pos += n
-                while views and n >= len(views[0]):
-                    n -= len(views[0])
-                    views.pop(0)
-                if n:
-                    views[0] = views[0][n:]
-        except OSError as exc:
-            self._fail(exc)
-            self._raise()
+        size = _size(item) + (item.check.hold if item.check is not None else 0)
+        b = self._budget
+        with b.cond:
+            while b.used and b.used + size > b.limit and self._error is None:
+                b.cond.wait()
+            b.used += size
+        if item.check is not None:
+            self._checks += 1
+        self._wq.put(item)
 
-    def put_check(self, chk: CheckRange, begin: int, end: int, ahead: bool = False) -> None:
-        """Queue a check of the file's bytes ``[begin, end)`` (all of them already ``put``, or with
-        ``ahead`` already written)."""
+    def _write_at(self, bufs: list[bytes | memoryview], pos: int) -> None:
+        """Write ``bufs`` at file offset ``pos`` (``pwritev``: the writer's own position is not moved;
+        the range is one it will skip)."""
+        views = [memoryview(b) for b in bufs if len(b)]  # an empty tensor writes nothing (and pwritev would return 0)
+        while views:
+            n = os.pwritev(self._fh.fileno(), views[:BATCH_SLICES], pos)
+            if not n:
+                raise OSError(28, "No space left on device")
+            pos += n
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if n:
+                views[0] = views[0][n:]
+
+    def put_check(self, chk: CheckRange, begin: int, end: int) -> None:
+        """Queue a check of the file's bytes ``[begin, end)``, all of them already ``put``."""
         self._raise()
         b = self._budget
         with b.cond:
@@ -1095,7 +1117,7 @@ class _BackgroundWriter:
                 b.cond.wait()
             b.used += chk.hold
         self._checks += 1
-        self._cq.put((chk, begin, end, ahead))
+        self._cq.put((chk, begin, end, False))
 
     def _join(self) -> None:
         self._wq.put(None)
@@ -1134,13 +1156,16 @@ class _BackgroundWriter:
             self._fh.close()
 
 
-def _size(raw: bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | DeviceBytes | _Written) -> int:
-    """Bytes of a queued item: a buffer, a batch of buffers, a batch of copies, bytes on a GPU or
-    bytes written ahead."""
+def _size(raw: bytes | memoryview | list[bytes | memoryview] | tuple[FileSlice, ...] | DeviceBytes | _Written
+          | _Ahead) -> int:
+    """Bytes of a queued item: a buffer, a batch of buffers, a batch of copies, bytes on a GPU, bytes
+    written ahead, or buffers to write ahead."""
     if isinstance(raw, tuple):
         return sum(s.length for s in raw)
     if isinstance(raw, _Written):
         return raw.length
+    if isinstance(raw, _Ahead):
+        return sum(len(b) for b in raw.bufs)
     if isinstance(raw, list):
         return sum(len(b) for b in raw)
     return len(raw)
