@@ -190,7 +190,7 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
             # the shards fetched once, in order, while the conversion reads them; every shard's bytes
             # against the Hub's sha256 before anything is published
             # the small files the output carries, fetched beside the shards rather than after them
-            threading.Thread(target=_prefetch, args=(repo, extra_files(job.ckpt)), name="mxfp4conv-extras",
+            threading.Thread(target=_download_extras, args=(repo, extra_files(job.ckpt)), name="mxfp4conv-extras",
                              daemon=True).start()
             # a partition or a resumed run fetches only the files its shards read (each whole, to check it)
             with repo.streaming(names, fetch_count, on_checked=run.fin.check_source, every_file=every_file) as stream:
@@ -262,7 +262,7 @@ def _recorded_proof(run: Conversion, verifier: InlineVerifier, job: Job, staging
     return doc
 
 
-def _prefetch(repo: RemoteRepo, names: list[str]) -> None:
+def _download_extras(repo: RemoteRepo, names: list[str]) -> None:
     """Bring ``names`` into huggingface_hub's cache now; a failure is met again, and said, where the
     output's copy of the file downloads it."""
     for name in names:
