@@ -140,7 +140,8 @@ def main() -> None:
                                   "shape": a.shape, "layers": a.layers, "source_gb": round(size / 1e9, 3), "rate_mb_s": a.rate_mb, **doc}),
                       flush=True)
     med = {case: statistics.median(d["wall_s"] for d in v) for case, v in rows.items()}
-    print(json.dumps({"case": "median", "layout": a.layout, "layers": a.layers, "source_gb": round(size / 1e9, 3),
+    print(json.dumps({"case": "median", "layout": a.layout, "shape": a.shape, "layers": a.layers,
+                      "source_gb": round(size / 1e9, 3),
                       "rate_mb_s": a.rate_mb, "wall_s": med,
                       "stream_vs_download": round(med["stream"] / med["download"], 2),
                       "download_then_convert_vs_stream": round(med["download+convert"] / med["stream"], 2)}))

@@ -2,8 +2,9 @@
 
 Qwen3-30B-A3B-like (hidden 2048, moe_intermediate 768, 128 experts) as ct-mxfp4 / modelopt-nvfp4 /
 ct-nvfp4, and GPT-OSS-20b-like (hidden 2880, intermediate 2880, 32 experts) as gpt-oss. Layer count
-sets the size. ``--shape deepseek``: the same Qwen3-MoE model with DeepSeek-V3-sized routed experts
-(hidden 7168, moe_intermediate 2048, 256 experts: 6.3 GB per NVFP4 layer), for what a large layer holds. Non-expert tensors are small bf16 stand-ins (attention, norms, router).
+sets the size. Non-expert tensors are small bf16 stand-ins (attention, norms, router). ``--shape
+deepseek``: the same Qwen3-MoE model with DeepSeek-V3-sized routed experts (hidden 7168,
+moe_intermediate 2048, 256 experts: 6.4 GB per NVFP4 layer), for what a large layer holds.
 
     python benchmarks/gen_checkpoint.py OUT --layout ct-mxfp4 --layers 13
 """

@@ -133,10 +133,10 @@ def expert_groups(unit: PlannedUnit, ckpt: Checkpoint, layout: Layout, target: T
 
     A group reads at most ``most`` bytes and holds at most 1/``least`` of the experts (one at the
     least). It is also cut where the next expert's last byte lies more than ``most`` bytes from the
-    group's in the source shard, or in another shard: a file
-    in safetensors' order lists experts by name (0, 1, 10, 100, ..., 2, 20, ...), and a group is
-    converted once its last byte is in, so a group of experts whose bytes lie far apart would keep
-    the early ones waiting, and leave the work of all of them for the end of the stream."""
+    group's in the source shard, or in another shard: a file in safetensors' order lists experts by
+    name (0, 1, 10, 100, ..., 2, 20, ...), and a group is converted once its last byte is in, so a
+    group of experts whose bytes lie far apart would keep the early ones waiting, and leave the work
+    of all of them for the end of the stream."""
     spec = unit.spec
     if (spec.kind != "moe" or unit.direct is not None or spec.extra.get("fused") or not layout.READS_EXPERT_GROUPS
             or not target.EXPERT_MAJOR or not spec.dims):
