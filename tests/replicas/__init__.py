@@ -12,7 +12,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from . import ct_families, deepseek, deepseek_v4, granitemoe
+from . import ct_families, deepseek, deepseek_v4, granitemoe, qwen35
 from .common import Replica
 
 __all__ = ["BUILDERS", "PURE_NVFP4", "Replica"]
@@ -35,6 +35,7 @@ BUILDERS: dict[str, Callable[[Path], Replica]] = {
     "autoround-mxfp4-qwen3-moe": ct_families.autoround_mxfp4,
     "modelopt-nvfp4-qwen3-moe": ct_families.modelopt_nvfp4_qwen3,
     "modelopt-nvfp4-minimax-m2": ct_families.modelopt_nvfp4_minimax_m2,
+    "modelopt-nvfp4-qwen35-moe": qwen35.modelopt_nvfp4_qwen35,
     "llmcompressor-mxfp4-granitemoe": granitemoe.llmcompressor_mxfp4,
 }
 
