@@ -199,6 +199,7 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
             # this run's checks, and those of earlier runs whose shards it took
             shown = {n: d for n, d in run.fin.checked.items() if n in names} | digests
             report.hub = {"repo_id": repo.repo_id, "revision": repo.revision, "commit": repo.commit,
+                          "read_from": repo.read_from, "checked_against": repo.checked_against,
                           "bytes_fetched": repo.fetched, "bytes_fetched_again": stream.refetched,
                           "bytes_held_peak": stream.peak, "files": dict(sorted(shown.items()))}
         if opts.partition is not None:

@@ -25,7 +25,6 @@ import torch
 
 from mxfp4conv.errors import ConvertError, EnvironmentProblem, UsageError
 from mxfp4conv.io.atomic import remove_tree, staging_path
-from mxfp4conv.io.checkpoint import resolve_source
 from mxfp4conv.pipeline import ConvertOptions, ConvertReport, Progress, convert
 
 __all__ = ["RayConvertReport", "convert_on_ray"]
@@ -126,11 +125,10 @@ def convert_on_ray(src: str | Path, dst: str | Path, opts: ConvertOptions, addre
             raise EnvironmentProblem(f"the Ray cluster at {address} has no {resource}s",
                              hint="use --device cpu" if gpu else "start the nodes with --num-cpus >= 1")
         n = max(1, min(len(plan.shards), slots))
-        if opts.stream:  # every task reads the commit the plan was made from, whatever the branch does meanwhile
-            assert plan.hub is not None
+        if plan.hub is not None:  # every task reads the commit the plan was made from, whatever the branch does meanwhile
             src_abs = f"{plan.hub['repo_id']}@{plan.hub['commit']}"
         else:
-            src_abs = os.path.abspath(resolve_source(str(src), opts.revision)[0])  # HF repo ids: the cached snapshot
+            src_abs = os.path.abspath(src)
         dst_abs = os.path.abspath(dst)
         staging = staging_path(Path(dst_abs))
         if not opts.resume:

@@ -1,8 +1,9 @@
 """Open a checkpoint folder (or a Hugging Face repo id) from headers and JSON files only.
 
-A repo id (``org/model`` or ``org/model@revision``) is downloaded into huggingface_hub's cache by
-:func:`resolve_source` (what ``convert`` reads), or read remotely by ``open_checkpoint(...,
-remote=True)`` (what ``inspect`` asks for): headers by range, small files only (mxfp4conv/io/hub.py).
+A repo id (``org/model`` or ``org/model@revision``) is downloaded into huggingface_hub's cache and
+read there, each file checked against the Hub's sha256 as the conversion reads it
+(mxfp4conv/io/hub_cache.py), or read remotely with ``open_checkpoint(..., remote=True)`` (``inspect``,
+``--stream``): headers by range, small files only (mxfp4conv/io/hub.py).
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from mxfp4conv.errors import InputError
-from mxfp4conv.io import hub
+from mxfp4conv.io import hub, hub_cache
 from mxfp4conv.io.safetensors_io import TensorRef, load_json, parse_header, read_header
 
-__all__ = ["PICKLE_SUFFIXES", "Checkpoint", "open_checkpoint", "resolve_source"]
+__all__ = ["PICKLE_SUFFIXES", "Checkpoint", "open_checkpoint"]
 
 INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -58,34 +59,6 @@ class Checkpoint:
                 got = str(path)
             self._rel[path] = got
         return got
-
-
-def resolve_source(src: str, revision: str | None = None) -> tuple[Path, str | None, str | None]:
-    """A local folder as is; otherwise a Hugging Face repo id (``org/model`` or ``org/model@rev``)
-    resolved into the local HF cache.
-
-    Returns (folder, repo_id or None, resolved revision or None). Network access follows
-    huggingface_hub's own settings (HF_HUB_OFFLINE=1 keeps it to the cache). Every top-level file is
-    fetched except pickle weights: what a local copy of the repo would give ``convert`` (its extra
-    files included, ``.gitattributes`` too); subfolders (such as ``original/``) are not.
-    """
-    path = Path(src)
-    if path.exists():
-        return path, None, None
-    repo_id, revision = _repo_id(src, revision)
-    try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-    except ImportError as exc:  # pragma: no cover - huggingface_hub is a dependency
-        raise InputError("huggingface_hub is not installed", file=src) from exc
-    try:
-        folder = snapshot_download(repo_id=repo_id, revision=revision,
-                                   ignore_patterns=["*/*", *(f"*{s}" for s in PICKLE_SUFFIXES)])
-    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
-        raise InputError(f"cannot resolve Hugging Face repo: {type(exc).__name__}: {exc}", file=src,
-                         hint="check the repo id, or pre-download it and set HF_HUB_OFFLINE=1") from exc
-    folder_path = Path(folder)
-    return folder_path, repo_id, folder_path.name
 
 
 def _repo_id(src: str, revision: str | None) -> tuple[str, str | None]:
@@ -185,9 +158,12 @@ def open_checkpoint(src: str | Path, revision: str | None = None, *, remote: boo
     ``remote``: a repo id is read on the Hub (headers by range, small files only) instead of being
     downloaded; its tensors' files are ``org/model@sha/<file>`` paths that hold no data. In
     huggingface_hub's offline mode a repo id is read from its cache, as without ``remote``."""
-    if remote and not Path(str(src)).exists() and not hub.offline():
-        return _open_remote(*_repo_id(str(src), revision))
-    root, repo_id, rev = resolve_source(str(src), revision)
+    if not Path(str(src)).exists():
+        repo_id, rev = _repo_id(str(src), revision)
+        if remote and not hub.offline():
+            return _open_repo(hub.open_repo(repo_id, rev))
+        return _open_repo(hub_cache.cached_repo(repo_id, rev))
+    root = Path(str(src))
     if not root.is_dir():
         raise InputError("SRC is not a folder", file=str(root),
                          hint="pass the folder that holds config.json and the safetensors shards")
@@ -226,7 +202,7 @@ def open_checkpoint(src: str | Path, revision: str | None = None, *, remote: boo
         if wmap is not None:
             _all_mapped(tensors, wmap, root)
     return Checkpoint(root=root, config=config, tensors=tensors, shard_files=files, hf_quant_config=hqc,
-                      shard_metadata=metas, repo_id=repo_id, revision=rev)
+                      shard_metadata=metas)
 
 
 def _add_shard(tensors: dict[str, TensorRef], shard: dict[str, TensorRef], wmap: dict[str, str] | None,
@@ -249,10 +225,10 @@ def _all_mapped(tensors: dict[str, TensorRef], wmap: dict[str, str], root: Path)
                          tensor=missing[0], hint="download the shard again")
 
 
-def _open_remote(repo_id: str, revision: str | None) -> Checkpoint:
-    """A repo read on the Hub at one pinned commit: the small JSON files downloaded, every shard's
-    header read by range (mxfp4conv/io/hub.py), no tensor data."""
-    repo = hub.open_repo(repo_id, revision)
+def _open_repo(repo: hub.RemoteRepo) -> Checkpoint:
+    """A repo at one pinned commit, read on the Hub (the small JSON files downloaded, every shard's
+    header read by range, mxfp4conv/io/hub.py) or in huggingface_hub's cache (io/hub_cache.py); no
+    tensor data."""
     root = repo.root
     top = {n for n in repo.files if "/" not in n}
     if "config.json" not in top:
@@ -302,4 +278,4 @@ def _open_remote(repo_id: str, revision: str | None) -> Checkpoint:
         if wmap is not None:
             _all_mapped(tensors, wmap, root)
     return Checkpoint(root=root, config=config, tensors=tensors, shard_files=files, hf_quant_config=hqc,
-                      shard_metadata=metas, repo_id=repo_id, revision=repo.commit, remote=repo)
+                      shard_metadata=metas, repo_id=repo.repo_id, revision=repo.commit, remote=repo)

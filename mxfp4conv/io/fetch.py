@@ -73,7 +73,9 @@ class OrderedFetch:
                  block: int = BLOCK, budget: int = BUDGET, connections: int = CONNECTIONS,
                  on_fetch: Callable[[int], None] | None = None,
                  on_checked: Callable[[str, str], None] | None = None, every_file: bool = True,
-                 order_hold: bool = True, patience: float = PATIENCE) -> None:
+                 order_hold: bool = True, patience: float = PATIENCE, recorded_by: str = "the Hub",
+                 mismatch_hint: str = "nothing was published; the download was corrupted or the repo changed: "
+                                      "run the command again") -> None:
         self._files = {n: _File(s, h) for n, (s, h) in files.items()}
         self._claims = {n: list(c) for n, c in (claims or {}).items() if n in self._files}
         self._get, self._label, self._block, self._ahead = get, label, block, budget
@@ -81,6 +83,7 @@ class OrderedFetch:
         self._order_hold_on, self._patience = order_hold, patience
         self._connections, self._on_fetch, self._on_checked = connections, on_fetch, on_checked
         self._every_file = every_file
+        self._recorded_by, self._mismatch_hint = recorded_by, mismatch_hint  # for ``Corrupted``'s line
         self._checked: dict[str, str] = {}  # files whose every byte is hashed and matched: their sha256
         self._cv = threading.Condition()
         self._kept: dict[Key, Data] = {}
@@ -310,7 +313,7 @@ class OrderedFetch:
                 self._early[key] = hashlib.sha256(data).digest()
         if not same:
             exc = Corrupted(f"bytes {b}-{e - 1} differ between two fetches", file=self._label(name),
-                            hint="nothing was published; the download was corrupted: run the command again")
+                            hint=self._mismatch_hint)
             self._fail(exc)
             raise exc
         return data
@@ -403,15 +406,13 @@ class OrderedFetch:
             lo, hi = max(b, cb), min(e, cb + len(cbytes))
             if lo < hi and data[lo - b:hi - b] != cbytes[lo - cb:hi - cb]:
                 raise Corrupted(f"bytes {cb}-{cb + len(cbytes) - 1} as first read differ from a second read",
-                                file=self._label(name),
-                                hint="nothing was published; the download was corrupted: run the command again")
+                                file=self._label(name), hint=self._mismatch_hint)
 
     def _check_file(self, name: str, f: _File) -> None:
         got = f.hasher.hexdigest()
         if f.sha256 is not None and got != f.sha256:
-            raise Corrupted(f"the bytes read have sha256 {got}, the Hub records {f.sha256}", file=self._label(name),
-                            hint="nothing was published; the download was corrupted or the repo changed: "
-                                 "run the command again")
+            raise Corrupted(f"the bytes read have sha256 {got}, {self._recorded_by} records {f.sha256}",
+                            file=self._label(name), hint=self._mismatch_hint)
         with self._cv:
             self._checked[name] = got
             report = self._on_checked

@@ -28,6 +28,7 @@ Errors are ``InputError`` (exit 1), one line naming ``org/model@sha/<file>``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import threading
@@ -41,7 +42,7 @@ from urllib.parse import urlsplit
 from mxfp4conv.errors import InputError, UsageError
 from mxfp4conv.io.fetch import BUDGET, OrderedFetch
 
-__all__ = ["HEAD_PROBE", "HubFile", "HubPath", "RemoteRepo", "offline", "open_repo", "split_revision"]
+__all__ = ["HEAD_PROBE", "HubFile", "HubPath", "RemoteRepo", "offline", "open_repo", "retrying", "split_revision"]
 
 HEAD_PROBE = 64 << 10  # the first range of each shard: its 8-byte length and (usually) the whole header
 RETRIES = 5  # per request, as huggingface_hub's http_backoff
@@ -105,6 +106,7 @@ class RemoteRepo:
     _stream: OrderedFetch | None = field(default=None, repr=False)
     _early: tuple[list[str], OrderedFetch] | None = field(default=None, repr=False)  # ``prefetch``'s
     _count: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards ``fetched``
+    _small: set[str] = field(default_factory=set, repr=False)  # small files whose digest matched
 
     @property
     def root(self) -> HubPath:
@@ -117,13 +119,50 @@ class RemoteRepo:
         """A small file (config, index, tokenizer) through huggingface_hub's cache, at the pinned commit."""
         from huggingface_hub import hf_hub_download
 
-        local = _retrying(lambda: hf_hub_download(self.repo_id, name, revision=self.commit, token=self.token),
+        local = retrying(lambda: hf_hub_download(self.repo_id, name, revision=self.commit, token=self.token),
                           str(self.path(name)))
         got = Path(local)
         if name in self.files and got.stat().st_size != self.files[name].size:
             raise InputError(f"downloaded {got.stat().st_size} bytes, the Hub lists {self.files[name].size}",
                              file=str(self.path(name)), hint="run the command again")
-        return got
+        return self.checked_small(name, got)
+
+    @property
+    def read_from(self) -> str:
+        """Where the files' bytes come from: "hub" (by range) or "cache" (huggingface_hub's, io/hub_cache.py)."""
+        return "hub"
+
+    @property
+    def checked_against(self) -> str:
+        """Whose record of the files' digests they are checked against: "hub" or "cache"."""
+        return "hub"
+
+    @property
+    def recorded_by(self) -> str:
+        return "the Hub"
+
+    @property
+    def mismatch_hint(self) -> str:
+        return "nothing was published; the download was corrupted or the repo changed: run the command again"
+
+    def checked_small(self, name: str, path: Path) -> Path:
+        """``path`` (the small file ``name``: config, index, tokenizer) once its bytes match the sha256 or
+        git blob id recorded for it: the config and the index decide how every tensor is read."""
+        info = self.files.get(name)
+        if info is None or name in self._small:
+            return path
+        data = path.read_bytes()
+        if info.sha256 is not None:
+            got, want, what = hashlib.sha256(data).hexdigest(), info.sha256, "sha256"
+        elif re.fullmatch(r"[0-9a-f]{40}", info.blob_id):
+            got, want, what = git_blob_id(data), info.blob_id, "git blob id"
+        else:
+            return path
+        if got != want:
+            raise InputError(f"the bytes read have {what} {got}, {self.recorded_by} records {want}",
+                             file=str(self.path(name)), hint=self.mismatch_hint)
+        self._small.add(name)
+        return path
 
     def name_of(self, file: Path) -> str:
         """The repo path of ``org/model@sha/<file>``."""
@@ -175,7 +214,8 @@ class RemoteRepo:
                on_checked: Callable[[str, str], None] | None, every_file: bool) -> OrderedFetch:
         return OrderedFetch({n: (self.files[n].size, self.files[n].sha256) for n in names}, self.read_range,
                             claims=self._claims, label=lambda n: str(self.path(n)), on_fetch=on_fetch,
-                            budget=budget, on_checked=on_checked, every_file=every_file)
+                            budget=budget, on_checked=on_checked, every_file=every_file,
+                            recorded_by=self.recorded_by, mismatch_hint=self.mismatch_hint)
 
     # the ByteSource interface (io/source.py)
     def read_into(self, file: Path, offset: int, bufs: list[memoryview]) -> int:
@@ -317,7 +357,7 @@ class RemoteRepo:
 
         url = hf_hub_url(self.repo_id, name, revision=self.commit)
         where = str(self.path(name))
-        meta = _retrying(lambda: get_hf_file_metadata(url, token=self.token, retry_on_errors=True), where)
+        meta = retrying(lambda: get_hf_file_metadata(url, token=self.token, retry_on_errors=True), where)
         info = self.files[name]
         if meta.commit_hash is not None and meta.commit_hash != self.commit:
             raise InputError(f"the Hub answers for commit {meta.commit_hash}, not the pinned {self.commit}",
@@ -339,11 +379,11 @@ def open_repo(repo_id: str, revision: str | None = None, *, token: str | bool | 
     from huggingface_hub.hf_api import RepoFile
 
     api = HfApi(token=token)
-    info = _retrying(lambda: api.repo_info(repo_id, revision=revision), repo_id + (f"@{revision}" if revision else ""))
+    info = retrying(lambda: api.repo_info(repo_id, revision=revision), repo_id + (f"@{revision}" if revision else ""))
     commit = info.sha
     if not commit:
         raise InputError("the Hub gave no commit sha for the repo", file=repo_id, hint="check HF_ENDPOINT")
-    entries = _retrying(lambda: list(api.list_repo_tree(repo_id, revision=commit, recursive=True)),
+    entries = retrying(lambda: list(api.list_repo_tree(repo_id, revision=commit, recursive=True)),
                         f"{repo_id}@{commit}")
     files = {e.path: HubFile(e.path, int(e.size), e.blob_id, e.lfs.sha256 if e.lfs is not None else None)
              for e in entries if isinstance(e, RepoFile)}
@@ -354,7 +394,7 @@ class _Dropped(Exception):
     """A connection lost while a range's body was being read."""
 
 
-def _retrying(fn: Callable[[], T], where: str) -> T:
+def retrying(fn: Callable[[], T], where: str) -> T:
     """``fn`` (a huggingface_hub call) with retries on 429 (waiting as the RateLimit / Retry-After
     headers say, as huggingface_hub's http_backoff does), 5xx and network errors; other failures
     become one ``InputError`` line."""
@@ -406,6 +446,11 @@ def _retrying(fn: Callable[[], T], where: str) -> T:
             raise InputError(f"cannot write huggingface_hub's cache: {exc}", file=where,
                              hint="check HF_HUB_CACHE / HF_HOME and the free disk space") from exc
     raise AssertionError("unreachable")
+
+
+def git_blob_id(data: bytes) -> str:
+    """git's id of a file's bytes, as the Hub lists a file stored outside LFS."""
+    return hashlib.sha1(b"blob %d\x00" % len(data) + data).hexdigest()  # noqa: S324 - git's own id, not a safeguard
 
 
 def _why(exc: BaseException) -> str:
