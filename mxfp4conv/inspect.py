@@ -103,7 +103,8 @@ def _precision(ckpt: Checkpoint, layout: Layout, plan: Plan, evidence: list[str]
     linears = {n[: -len(".weight")]: v for n, v in pt.items() if n.endswith(".weight") and len(v[1]) == 2}
     declared = layout.declared(ckpt)
     inferred = not any(is_config_evidence(e) for e in evidence)
-    plan.precision, found = build_precision(linears, pt, _fp4_modules(plan), declared, inferred=inferred)
+    plan.precision, found = build_precision(linears, pt, _fp4_modules(plan), declared, inferred=inferred,
+                                           architecture=plan.facts.architecture)
     where = str(ckpt.root / declared.source)
     return [Problem(module, where, message) for module, message in found]
 

@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mxfp4conv.runtime_built import runtime_unquantized
+
 __all__ = [
     "EMBEDDINGS",
     "Declared",
@@ -73,6 +75,8 @@ class Declared:
     (a compressed-tensors group targeting ``Linear``, ModelOpt ``quant_algo: NVFP4``, Quark's
     ``global_quant_config``); None where the config's reach is not known module by module.
     ``kv_cache``: "fp8" when the config quantizes the KV cache.
+    ``method``: the vLLM quantization method the source loads as (``modelopt_fp4``), where an exemption
+    of the runtime depends on it (``runtime_built.EXEMPTIONS``).
     """
 
     unquantized: tuple[str, ...] = ()
@@ -81,6 +85,7 @@ class Declared:
     main: Precision | None = None
     kv_cache: str | None = None
     source: str = "config.json"  # the file the declaration came from (for problems)
+    method: str | None = None
 
 
 @dataclass(frozen=True)
@@ -206,12 +211,14 @@ def build_precision(
     declared: Declared,
     *,
     inferred: bool = False,
+    architecture: str = "",
 ) -> tuple[PrecisionModel, list[tuple[str, str]]]:
     """The precision model of the non-FP4 modules, and the problems found as (module, message).
 
     ``linears``: module -> (dtype, shape) of every passthrough 2-D ``<module>.weight``;
     ``tensors``: every passthrough tensor name -> (dtype, shape) (for the scale partners);
-    ``fp4_modules``: modules the layout converts (dense FP4 modules and every expert projection).
+    ``fp4_modules``: modules the layout converts (dense FP4 modules and every expert projection);
+    ``architecture``: config.json's ``architectures[0]``, which picks the runtime's model code.
     """
     problems: list[tuple[str, str]] = []
     fp8: dict[str, Fp8Linear] = {}
@@ -235,7 +242,7 @@ def build_precision(
     model = PrecisionModel(fp8=dict(sorted(fp8.items())), bf16=tuple(sorted(bf16)), kv_cache=kv,
                            unquantized_patterns=tuple(fnmatch_to_re(p) for p in declared.unquantized),
                            foreign_fp4=tuple(sorted(foreign)), inferred=inferred)
-    problems += _cross_check(model, list(fp4_modules), declared)
+    problems += _cross_check(model, list(fp4_modules), declared, architecture)
     return model, problems
 
 
@@ -280,20 +287,8 @@ class _Matcher:
         return name in self.exact or any(r.match(name) for r in self.rx)
 
 
-# Modules a runtime builds without the quantization config whatever it says (vLLM passes
-# ``quant_config=None`` to every MoE router and to Qwen's shared-expert gate, and quantizes the output
-# head only when a config names it): the config's main scheme does not reach them.
-_ROUTERS = ("gate", "router", "router.layer", "shared_expert_gate")
-_HEADS = frozenset({"lm_head", "head", "output"})
-
-
-def _runtime_unquantized(module: str, moe_blocks: set[str]) -> bool:
-    if module.rsplit(".", 1)[-1] in _HEADS:
-        return True
-    return any(module == f"{b}.{r}" for b in moe_blocks for r in _ROUTERS)
-
-
-def _cross_check(model: PrecisionModel, fp4_modules: list[str], declared: Declared) -> list[tuple[str, str]]:
+def _cross_check(model: PrecisionModel, fp4_modules: list[str], declared: Declared, architecture: str
+                 ) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     where = declared.source
     unquantized = _Matcher(declared.unquantized)
@@ -320,7 +315,9 @@ def _cross_check(model: PrecisionModel, fp4_modules: list[str], declared: Declar
             return got
         if declared.exhaustive:
             return "bf16"
-        return None if _runtime_unquantized(module, moe_blocks) else declared.main
+        # What the runtime builds decides: its model code keeps some modules out of the main scheme.
+        built = runtime_unquantized(module, moe_blocks, architecture=architecture, method=declared.method)
+        return None if built is not None else declared.main
 
     for module, lin in model.fp8.items():
         got = said(module)

@@ -88,7 +88,8 @@ def declared(ckpt: Checkpoint) -> Declared:
     main: Precision | None = "nvfp4" if str(info.get("quant_algo", "")).upper() in ("NVFP4", "FP4") else None
     return Declared(unquantized=tuple(x for x in exclude if isinstance(x, str)) if isinstance(exclude, list) else (),
                     listed=_listed(info) if mixed else {}, exhaustive=mixed, main=main, kv_cache="fp8" if kv == "FP8" else None,
-                    source="hf_quant_config.json" if ckpt.hf_quant_config else "config.json")
+                    source="hf_quant_config.json" if ckpt.hf_quant_config else "config.json",
+                    method="modelopt_mixed" if mixed else "modelopt_fp4" if main else None)  # vLLM's config names
 
 
 def detect(ckpt: Checkpoint) -> list[str] | None:
