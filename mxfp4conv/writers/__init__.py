@@ -6,6 +6,7 @@ from mxfp4conv.errors import UsageError
 from mxfp4conv.writers.base import OutTensor, Target, WriterContext
 from mxfp4conv.writers.ct import CtTarget
 from mxfp4conv.writers.gpt_oss import GptOssTarget
+from mxfp4conv.writers.mlx import MlxTarget
 from mxfp4conv.writers.quark import QuarkTarget
 
 __all__ = ["TARGETS", "OutTensor", "Target", "WriterContext", "get_target", "refusals", "resolve_auto", "valid_targets"]
@@ -14,6 +15,7 @@ TARGETS: dict[str, type[Target]] = {
     CtTarget.NAME: CtTarget,
     QuarkTarget.NAME: QuarkTarget,
     GptOssTarget.NAME: GptOssTarget,
+    MlxTarget.NAME: MlxTarget,
 }
 try:  # the Marlin writer is optional at import time so a broken build of it never hides the others
     from mxfp4conv.writers.marlin import MarlinTarget
