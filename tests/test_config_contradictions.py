@@ -1,8 +1,10 @@
 """A source whose quantization config contradicts its tensors is refused at planning (README "Exit
 codes"): exit 1, one line naming the module, what the config says and what the tensors are, for
 ``inspect``, ``convert`` and ``convert --no-verify``, and nothing written. The contradictions a
-runtime resolves on its own are not refused: routers and the output head, which vLLM builds without
-the quantization config, and an ignored parent module whose Linear sits under it."""
+runtime resolves on its own are not refused: modules vLLM builds without the quantization config
+(``mxfp4conv.runtime_built``: routers, the output head, Qwen3.5's ``mtp.fc`` under ModelOpt FP4, ...) and
+an ignored parent module whose Linear sits under it. A BF16 module the runtime would build with the
+config's FP4 scheme is refused, in those same checkpoints too."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from click.testing import CliRunner
 
 from mxfp4conv.cli import cli
 from tests.builders import build
+from tests.replicas import BUILDERS
 
 
 def run(*args: str) -> tuple[int, str]:
@@ -104,3 +107,41 @@ def test_an_ignored_parent_module_covers_its_linear(ct_src: Path, tmp_path: Path
     assert code == 0, err
     ignore = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"]
     assert {f"model.layers.{i}.self_attn.o_proj.layer" for i in range(2)} <= set(ignore)
+
+
+def _refused(src: Path, module: str, message: str) -> None:
+    for argv in (["inspect", str(src)], ["convert", str(src), str(src.parent / "out"), "--device", "cpu"]):
+        code, err = run(*argv)
+        lines = [ln for ln in err.splitlines() if ln.startswith(("error:", "problem:"))]
+        assert code == 1 and lines and module in lines[0] and message in lines[0], err
+    assert not (src.parent / "out").exists()
+
+
+def test_qwen35_nvfp4_mtp_layer_claimed_by_nvfp4_is_refused(tmp_path: Path) -> None:
+    """NVIDIA's Qwen3.5 layout without its ``mtp.layers.0*`` exclusion: vLLM builds the MTP decoder layer
+    with the ModelOpt config (only ``mtp.fc`` is forced unquantized), so its BF16 tensors contradict it."""
+    src = BUILDERS["modelopt-nvfp4-qwen35-moe"](tmp_path / "src").path
+    hq = json.loads((src / "hf_quant_config.json").read_text())
+    hq["quantization"]["exclude_modules"].remove("mtp.layers.0*")
+    (src / "hf_quant_config.json").write_text(json.dumps(hq))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"]["ignore"].remove("mtp.layers.0*")
+    (src / "config.json").write_text(json.dumps(cfg))
+    _refused(src, "mtp.layers.0.", "tensors are unquantized but hf_quant_config.json declares nvfp4")
+
+
+def test_a_bf16_mtp_fc_under_compressed_tensors_is_refused(tmp_path: Path) -> None:
+    """vLLM forces ``mtp.fc`` unquantized only for ``modelopt_fp4``: a compressed-tensors Qwen3-Next whose
+    ``Linear`` group reaches a BF16 ``mtp.fc`` would have it built as NVFP4."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = BUILDERS["ct-nvfp4-qwen3-next"](tmp_path / "src").path
+    shard = sorted(src.glob("model-*.safetensors"))[0]
+    tensors = load_file(str(shard))
+    tensors["mtp.fc.weight"] = torch.zeros(128, 256, dtype=torch.bfloat16)  # [H, 2H], as Qwen3-Next's MTP has it
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"]["mtp.fc.weight"] = shard.name
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    _refused(src, "mtp.fc", "tensors are unquantized but config.json declares nvfp4")
