@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 DEMO := demo-out
 
-.PHONY: demo test test-slow test-gpu test-all lint fmt bench clean env env-vllm gpu-bundle
+.PHONY: demo test test-slow test-gpu test-all lint fmt bench clean env env-vllm gpu-bundle mutation
 
 env: $(STAMP)
 
@@ -69,6 +69,11 @@ gpu-bundle: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Reading mutations the proof cannot see (a global scale applied the wrong way, gate and up swapped), each
+# applied to a temporary copy of the package: the oracle tests must fail on every one. Not part of `make test`.
+mutation: $(STAMP)
+	$(BIN)/python tests/mutation/run.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
