@@ -7,13 +7,19 @@ STAMP := $(VENV)/.installed
 # the serving tests (tests/serving) and the vLLM plugin tests.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# MLX and mlx-lm (test-only: the tests/mlx_runtime suite runs --to mlx outputs with them): a venv of their own,
+# so that mlx-lm's transformers and tokenizers pins never move the project's. No torch.
+MLX_VENV := .venv-mlx
+MLX_STAMP := $(MLX_VENV)/.installed
 DEMO := demo-out
 
-.PHONY: demo test test-slow test-gpu test-all lint fmt bench clean env env-vllm gpu-bundle mutation
+.PHONY: demo test test-slow test-gpu test-all lint fmt bench clean env env-vllm env-mlx gpu-bundle mutation
 
 env: $(STAMP)
 
 env-vllm: $(VLLM_STAMP)
+
+env-mlx: $(MLX_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,6 +39,12 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $(VLLM_STAMP)
 
+$(MLX_STAMP):
+	test -x $(MLX_VENV)/bin/python || $(PY) -m venv $(MLX_VENV)
+	$(MLX_VENV)/bin/python -m pip install -q --upgrade pip
+	$(MLX_VENV)/bin/python -m pip install -q "mlx==0.32.4" "mlx-cpu==0.32.4" "mlx-lm==0.32.2"
+	touch $(MLX_STAMP)
+
 demo: $(STAMP)
 	rm -rf $(DEMO)
 	$(BIN)/python examples/tiny.py $(DEMO)/src
@@ -46,10 +58,11 @@ demo: $(STAMP)
 	$(BIN)/mxfp4conv verify $(DEMO)/src/gpt-oss $(DEMO)/gpt-oss-marlin --device cpu
 	@echo "demo ok: outputs in $(DEMO)/"
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(MLX_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	MXFP4CONV_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -m "not slow and not gpu"
+	MXFP4CONV_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python MXFP4CONV_MLX_PYTHON=$(abspath $(MLX_VENV))/bin/python \
+	  MXFP4CONV_REQUIRE_MLX=1 $(BIN)/python -m pytest -q -m "not slow and not gpu"
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
