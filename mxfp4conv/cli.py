@@ -132,6 +132,11 @@ def _render_inspect(doc: dict[str, Any]) -> None:
     for name, why in doc.get("refused", {}).items():
         t.add_row(f"not --to {name}", _safe(why))
     _err.print(t)
+    hub = doc.get("hub") or {}
+    if hub.get("read_from") == "hub":
+        _err.print(f"note: `mxfp4conv convert {_safe(doc['source'])} DST --stream` converts without a local copy; "
+                   f"without --stream the {doc['total_bytes'] / 1e9:.3f} GB are downloaded into huggingface_hub's cache "
+                   "first", markup=False)
     if doc["inferred_layout"]:
         _err.print(f"[yellow]note:[/] no quantization config found: layout {_safe(doc['layout'])} was inferred "
                    "from tensor names and dtypes", markup=True)

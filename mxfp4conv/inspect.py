@@ -169,6 +169,6 @@ def _hub_facts(ckpt: Checkpoint) -> dict[str, Any] | None:
     if repo is None:
         return None
     return {"repo_id": repo.repo_id, "revision": repo.revision, "commit": repo.commit,
-            "header_bytes_fetched": repo.fetched,
+            "read_from": repo.read_from, "header_bytes_fetched": repo.fetched,
             "files": {ckpt.rel(f): {"size": repo.files[ckpt.rel(f)].size, "sha256": repo.files[ckpt.rel(f)].sha256}
                       for f in ckpt.shard_files}}

@@ -119,6 +119,7 @@ class Fault:
     times: int = 1
     call: Callable[[], None] | None = None
     hits: int = 0
+    at: int | None = None  # "corrupt": the file offset of the byte flipped (default: the body's middle)
 
 
 @dataclass
@@ -180,8 +181,8 @@ class HubServer:
 
     # -- faults and the log
     def fault(self, kind: str, match: Callable[[Request], bool] | None = None, *, times: int = 1,
-              call: Callable[[], None] | None = None) -> Fault:
-        f = Fault(kind, match or (lambda r: True), times, call)
+              call: Callable[[], None] | None = None, at: int | None = None) -> Fault:
+        f = Fault(kind, match or (lambda r: True), times, call, at=at)
         with self._lock:
             self.faults.append(f)
         return f
@@ -634,7 +635,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(status, memoryview(data)[begin:end], headers, content_type="application/octet-stream")
         body = data[begin:end]
         if fault.kind == "corrupt":
-            mid = len(body) // 2
+            mid = fault.at - begin if fault.at is not None and begin <= fault.at < end else len(body) // 2
             return self._send(status, body[:mid] + bytes([body[mid] ^ 0x01]) + body[mid + 1:], headers,
                               content_type="application/octet-stream")
         if fault.kind == "short":  # a well-formed response that holds fewer bytes than its Content-Range says

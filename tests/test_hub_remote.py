@@ -152,7 +152,8 @@ def test_remote_inspect_reads_headers_only_and_matches_the_local_folder(
     assert doc["source"] == REPO
     shards = sorted(local.glob("*.safetensors"))
     assert doc["hub"] == {
-        "repo_id": REPO, "revision": None, "commit": commit, "header_bytes_fetched": HEAD_PROBE * len(shards),
+        "repo_id": REPO, "revision": None, "commit": commit, "read_from": "hub",
+        "header_bytes_fetched": HEAD_PROBE * len(shards),
         "files": {p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
                   for p in shards}}
     small = sum(p.stat().st_size for p in local.iterdir() if p.suffix == ".json")

@@ -97,8 +97,8 @@ def cached_repo(repo_id: str, revision: str | None) -> CachedRepo:
                                  hint=f"hf download {repo_id} --force-download while online, or pass the folder "
                                       "itself as SRC to convert it unchecked")
         return cached
-    repo = open_repo(repo_id, revision)
-    folder = _snapshot(repo_id, repo.commit)
+    folder = _snapshot(repo_id, revision)  # as huggingface_hub names it (a branch's ref too, for offline runs)
+    repo = open_repo(repo_id, folder.name)  # the Hub's file list at the commit the snapshot holds
     cached = CachedRepo(repo_id, revision, repo.commit, repo.files, repo.token, folder=folder)
     for name in (n for n in repo.files if "/" not in n and n.endswith(".safetensors")):
         have = (folder / name).stat().st_size if (folder / name).is_file() else None
