@@ -22,7 +22,7 @@ from mxfp4conv.errors import InputError
 from mxfp4conv.io.hub import HubFile, RemoteRepo, offline, open_repo, retrying
 from mxfp4conv.io.source import preadv_full
 
-__all__ = ["CachedRepo", "SKIPPED", "cached_repo"]
+__all__ = ["SKIPPED", "CachedRepo", "cached_repo"]
 
 # what a local copy of the repo holds: top-level files, no pickle weights (never unpickled)
 SKIPPED = ["*/*", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle"]
