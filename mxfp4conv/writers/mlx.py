@@ -27,7 +27,8 @@ __all__ = ["ARCHITECTURES", "QUANTIZATION", "MlxTarget", "mlx_config", "switch_p
 
 QUANTIZATION = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
 # model_type -> the mlx-lm 0.32 model module that loads it (its sanitize and names checked for each)
-ARCHITECTURES = {"qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss"}
+ARCHITECTURES = {"qwen3_moe": "qwen3_moe", "qwen3_5_moe": "qwen3_5_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss",
+                 "glm4_moe": "glm4_moe", "granitemoe": "granitemoe"}
 PROJS = ("gate_proj", "up_proj", "down_proj")
 # What keeps an MLX nvfp4 layer from holding a ModelOpt / compressed-tensors NVFP4 weight exactly
 KEEP_NVFP4_REFUSAL = ("--keep-nvfp4: MLX's nvfp4 dequantizes code * (scale * (global_scale / 2688)) with the block "
@@ -71,8 +72,9 @@ def mlx_config(src_config: dict[str, object], ctx: WriterContext) -> dict[str, o
     rope = cfg.get("rope_parameters")
     if isinstance(rope, dict) and "rope_theta" not in cfg and "rope_theta" in rope:
         cfg["rope_theta"] = rope["rope_theta"]
-        if rope.get("rope_type", "default") != "default" and cfg.get("rope_scaling") is None:
-            cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if rope.get("rope_type", "default") != "default":
+            cfg.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+    cfg.setdefault("rope_scaling", None)  # glm4_moe's ModelArgs take it without a default; absent means None
     cfg["quantization"] = dict(QUANTIZATION)
     cfg["quantization_config"] = dict(QUANTIZATION)
     return dict(sorted(cfg.items()))

@@ -60,9 +60,11 @@ def add_tokenizer(folder: Path) -> None:
 
 
 def sources(root: Path) -> list[Case]:
-    """Every layout on a tiny Qwen3-MoE (GPT-OSS on its own), Mixtral, and the AutoRound replica (FP4
-    attention: dense FP4 Linears)."""
-    from tests.replicas.ct_families import autoround_mxfp4
+    """Every layout on a tiny Qwen3-MoE (GPT-OSS on its own), Mixtral, and the replicas (tests/replicas) of
+    the families mlx-lm has a model for that convert: AutoRound's Qwen3-MoE (FP4 attention: dense FP4
+    Linears), GLM-4.5, GraniteMoE, Qwen3.5-MoE."""
+    from tests.replicas import granitemoe, qwen35
+    from tests.replicas.ct_families import autoround_mxfp4, glm45
     from tests.serving.serving_sources import build_moe
 
     out: dict[str, tuple[Path, str]] = {}
@@ -75,6 +77,9 @@ def sources(root: Path) -> list[Case]:
     for layout, path in mixtral.paths.items():
         out[f"mixtral-{layout}"] = (path, "mixtral")
     out["qwen3_moe-autoround-mxfp4"] = (autoround_mxfp4(root / "autoround").path, "qwen3_moe")
+    out["glm4_moe-ct-nvfp4"] = (glm45(root / "glm45").path, "glm4_moe")
+    out["granitemoe-ct-mxfp4"] = (granitemoe.llmcompressor_mxfp4(root / "granite").path, "granitemoe")
+    out["qwen3_5_moe-modelopt-nvfp4"] = (qwen35.modelopt_nvfp4_qwen35(root / "qwen35").path, "qwen3_5_moe")
     cases = []
     for name, (path, mt) in out.items():
         add_tokenizer(path)

@@ -48,6 +48,16 @@ def _dequantized(model: nn.Module, expected: dict[str, mx.array]) -> dict[str, A
             "uncovered": sorted(set(quantized) - set(expected))[:8], "modes": modes}
 
 
+def _renamed(model: nn.Module, by_module: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Module paths as the model's ``sanitize`` renames their weights (Qwen3.5: ``model.language_model`` ->
+    ``language_model.model``); the identity for the other models."""
+    if not hasattr(model, "sanitize"):
+        return by_module
+    names = model.sanitize({f"{k}.weight": mx.array([i]) for i, k in enumerate(by_module)})
+    order = list(by_module.values())
+    return {k.removesuffix(".weight"): order[int(v.item())] for k, v in names.items()}
+
+
 def _logits(model_dir: Path, weights: dict[str, mx.array], prompt: list[int], dtype: mx.Dtype) -> np.ndarray:
     """The prompt's logits from mlx-lm's model class of ``model_dir`` built unquantized, ``weights`` in ``dtype``."""
     from mlx_lm.utils import _get_classes
@@ -57,6 +67,8 @@ def _logits(model_dir: Path, weights: dict[str, mx.array], prompt: list[int], dt
         config.pop(k, None)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
+    if hasattr(model, "sanitize"):  # as mlx_lm.load does (Qwen3.5: prefixes renamed, conv1d axes, norms)
+        weights = model.sanitize(dict(weights))
     model.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
     mx.eval(model.parameters())
     return np.array(model(mx.array([prompt])).astype(mx.float32))[0]
@@ -68,11 +80,11 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     model_dir, expect = Path(case["model"]), Path(case["expect"])
     model, tokenizer = load(str(model_dir))
-    out: dict[str, Any] = {"name": case["name"], **_dequantized(model, mx.load(str(expect / "expected.safetensors")))}
+    expected = mx.load(str(expect / "expected.safetensors"))
+    out: dict[str, Any] = {"name": case["name"], **_dequantized(model, _renamed(model, expected))}
     prompt = case["prompt"]
     out["logits"] = np.array(model(mx.array([prompt])).astype(mx.float32))[0].tolist()
     source = mx.load(str(expect / "reference.safetensors"))
-    expected = mx.load(str(expect / "expected.safetensors"))
     written = {**source, **{f"{n}.weight": w for n, w in expected.items()}}  # the values the output holds
     out["reference"] = _logits(model_dir, source, prompt, mx.float32).tolist()
     out["reference_written"] = _logits(model_dir, written, prompt, mx.float32).tolist()

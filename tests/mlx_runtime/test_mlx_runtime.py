@@ -1,7 +1,7 @@
 """``--to mlx`` outputs computed by MLX itself (mlx 0.32.4 / mlx-lm 0.32.2 on this CPU, ``mlx[cpu]``).
 
-Per case (every input layout on a tiny Qwen3-MoE, GPT-OSS, Mixtral MXFP4 / NVFP4, the AutoRound replica's
-FP4 attention, an output split by ``--max-shard-size``): ``mlx_lm.load`` in strict mode; every FP4
+Per case (every input layout on a tiny Qwen3-MoE, GPT-OSS, Mixtral MXFP4 / NVFP4, the replicas of GLM-4.5,
+GraniteMoE, Qwen3.5-MoE and AutoRound's Qwen3-MoE with FP4 attention, an output split by ``--max-shard-size``): ``mlx_lm.load`` in strict mode; every FP4
 module MLX builds dequantizes (``mx.dequantize(..., mode="mxfp4")``) bit for bit to the source's values
 (MXFP4) or to the oracle's requantization of them (NVFP4), and no FP4 module is left unchecked; the
 prompt's logits agree with float32 references; ``mlx_lm.generate`` produces tokens.
@@ -34,8 +34,13 @@ pytestmark = pytest.mark.mlx
 
 F32 = 1e-5
 BF16 = 0.03
+# Qwen3.5 (measured 0.085): mlx-lm's sanitize adds 1 to its offset-stored RMSNorm weights in bf16 (rounding
+# them to 8 significant bits, which the float32 reference does not), and its gated-delta attention carries a
+# recurrent state across positions in bf16
+BF16_BY_CASE = {"qwen3_5_moe-modelopt-nvfp4": 0.15}
 CASES = ["qwen3_moe-ct-mxfp4", "gpt_oss", "qwen3_moe-modelopt-nvfp4", "qwen3_moe-ct-nvfp4", "qwen3_moe-quark-mxfp4",
-         "qwen3_moe-quark-nvfp4", "mixtral-ct-mxfp4", "mixtral-ct-nvfp4", "qwen3_moe-autoround-mxfp4", SHARDED]
+         "qwen3_moe-quark-nvfp4", "mixtral-ct-mxfp4", "mixtral-ct-nvfp4", "qwen3_moe-autoround-mxfp4",
+         "glm4_moe-ct-nvfp4", "granitemoe-ct-mxfp4", "qwen3_5_moe-modelopt-nvfp4", SHARDED]
 
 
 def _result(ran: Ran, name: str) -> dict[str, Any]:
@@ -65,10 +70,11 @@ def test_logits_agree_with_float32_references(mlx_ran: Ran, name: str, record: A
     f32, bf16 = _rel(r, "logits_f32", "reference_written"), _rel(r, "logits", "reference_written")
     requant, source = _rel(r, "reference_written", "reference"), _rel(r, "logits", "reference")
     record("relative mean |d| logits", f"float32 {f32:.1e}, bf16 {bf16:.4f}, vs source {source:.4f} (requant {requant:.4f})")
+    tol = BF16_BY_CASE.get(name, BF16)
     assert f32 <= F32
-    assert bf16 <= BF16
+    assert bf16 <= tol
     if mlx_ran.cases[name].nvfp4:
-        assert source <= requant + BF16
+        assert source <= requant + tol
     else:
         assert requant == 0.0, "a lossless source's written values must be its own"
 
