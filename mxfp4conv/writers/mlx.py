@@ -6,7 +6,9 @@ uint8 scales are the E8M0 bytes. Routed experts are stacked per projection, as m
 leaves them (it stacks only unquantized ``.weight``): ``<layer>.<moe>.switch_mlp.{gate,up,down}_proj.
 {weight,scales,bias}`` ``[E, out, in/8]`` / ``[E, out, in/32]`` (GPT-OSS: ``mlp.experts.*``, the names
 its ``sanitize`` produces from ``_blocks``); an FP4 Linear is ``<module>.{weight,scales,bias}``; every
-other tensor is carried byte for byte. mlx-lm quantizes exactly the modules whose ``.scales`` it finds.
+other tensor is carried byte for byte, but an FP8 KV cache's ``k_scale`` / ``v_scale``: mlx-lm computes
+activations and keeps its cache in the compute dtype (bf16), so a W4A4 source runs W4A16 and an FP8 KV
+cache is a bf16 one. mlx-lm quantizes exactly the modules whose ``.scales`` it finds.
 
 The config is the source's with MLX's ``quantization`` (and the same under ``quantization_config``), the
 keys mlx-lm's model classes read restored where transformers 5 renamed them.
@@ -35,6 +37,7 @@ KEEP_NVFP4_REFUSAL = ("--keep-nvfp4: MLX's nvfp4 dequantizes code * (scale * (gl
                       "scale's product rounded first, not (code * scale) * weight_scale_2; drop the flag to requantize "
                       "to MXFP4")
 _DROPPED_KEYS = ("quantization_config", "compression_config", "_name_or_path")
+_KV_SCALES = (".k_scale", ".v_scale")
 
 
 def switch_prefix(key: str, ctx: WriterContext) -> str:
@@ -86,21 +89,33 @@ class MlxTarget(Target):
     def refuse(self, ctx: WriterContext) -> str | None:
         mt = ctx.facts.model_type
         if mt not in ARCHITECTURES:
-            return f"mlx-lm has no model converted here for {mt!r}; --to mlx converts {', '.join(sorted(ARCHITECTURES))}"
+            return (f"--to mlx converts the architectures whose mlx-lm model it is checked against "
+                    f"({', '.join(sorted(ARCHITECTURES))}), not {mt!r}")
         if ctx.target_options.keep_nvfp4:
             return KEEP_NVFP4_REFUSAL
-        if ctx.precision.kv_cache is not None:
-            return f"an {ctx.precision.kv_cache.upper()} KV cache has no MLX form (mlx-lm keeps its cache in the compute dtype)"
         for u in ctx.units:
             if u.kind == "moe" and u.extra.get("fused") and mt != "gpt_oss":
                 return f"{u.key}: fused experts of {mt!r} are not converted to MLX"
+        for lin in ctx.precision.fp8.values():
+            return (f"{lin.module}: {lin.kind} ({lin.scale} {lin.scale_dtype}) has no exact MLX form (mlx-lm's FP8 is "
+                    "mxfp8: E8M0 scales per 32 inputs); --to ct or --to quark carry it")
         return precision_refusal(ctx, "MLX", fp8_block=False, fp8=False)
+
+    def _dropped(self, spec: UnitSpec, ctx: WriterContext) -> bool:
+        """An FP8 KV cache's scales: mlx-lm keeps its cache in the compute dtype and has no parameter for them."""
+        return spec.kind == "passthrough" and ctx.precision.kv_cache is not None and spec.key.endswith(_KV_SCALES)
 
     def shard_metadata(self, ctx: WriterContext) -> dict[str, str]:
         return {"format": "mlx"}  # what mlx.core.save_safetensors records
 
     def direct_sources(self, spec: UnitSpec, ctx: WriterContext) -> list[str] | None:
-        return super().direct_sources(spec, ctx) if spec.kind == "passthrough" else None
+        if spec.kind != "passthrough" or self._dropped(spec, ctx):
+            return None
+        return super().direct_sources(spec, ctx)
+
+    def verify_unit(self, want: Canonical, spec: UnitSpec, ctx: WriterContext, get: Getter
+                    ) -> list[dict[str, str]] | None:
+        return [] if self._dropped(spec, ctx) else None  # nothing written, nothing to compare
 
     def out_specs(self, spec: UnitSpec, ctx: WriterContext) -> list[OutTensor]:
         bias = spec.extra.get("bias_dtype", "BF16") if spec.has_bias else None
@@ -112,7 +127,7 @@ class MlxTarget(Target):
         if spec.kind == "dense":
             n, k = spec.dims
             return _linear_specs(spec.key, (), n, k, bias)
-        return super().out_specs(spec, ctx)
+        return [] if self._dropped(spec, ctx) else super().out_specs(spec, ctx)
 
     def encode(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> list[torch.Tensor]:
         if isinstance(unit, MoELayer):
@@ -125,7 +140,7 @@ class MlxTarget(Target):
         if isinstance(unit, DenseFP4):
             w = unit.weight
             return [_u32(w.packed), w.scales] + ([unit.bias] if unit.bias is not None else [])
-        return super().encode(unit, spec, ctx)
+        return [] if self._dropped(spec, ctx) else super().encode(unit, spec, ctx)
 
     def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
         import torch

@@ -62,8 +62,8 @@ def add_tokenizer(folder: Path) -> None:
 def sources(root: Path) -> list[Case]:
     """Every layout on a tiny Qwen3-MoE (GPT-OSS on its own), Mixtral, and the replicas (tests/replicas) of
     the families mlx-lm has a model for that convert: AutoRound's Qwen3-MoE (FP4 attention: dense FP4
-    Linears), GLM-4.5, GraniteMoE, Qwen3.5-MoE."""
-    from tests.replicas import granitemoe, qwen35
+    Linears), NVIDIA's Qwen3-MoE NVFP4 (FP4 attention, an FP8 KV cache), GLM-4.5, GraniteMoE, Qwen3.5-MoE."""
+    from tests.replicas import ct_families, granitemoe, qwen35
     from tests.replicas.ct_families import autoround_mxfp4, glm45
     from tests.serving.serving_sources import build_moe
 
@@ -79,6 +79,7 @@ def sources(root: Path) -> list[Case]:
     out["qwen3_moe-autoround-mxfp4"] = (autoround_mxfp4(root / "autoround").path, "qwen3_moe")
     out["glm4_moe-ct-nvfp4"] = (glm45(root / "glm45").path, "glm4_moe")
     out["granitemoe-ct-mxfp4"] = (granitemoe.llmcompressor_mxfp4(root / "granite").path, "granitemoe")
+    out["qwen3_moe-modelopt-nvfp4-fp8kv"] = (ct_families.modelopt_nvfp4_qwen3(root / "qwen3-nvfp4").path, "qwen3_moe")
     out["qwen3_5_moe-modelopt-nvfp4"] = (qwen35.modelopt_nvfp4_qwen35(root / "qwen35").path, "qwen3_5_moe")
     cases = []
     for name, (path, mt) in out.items():
@@ -122,7 +123,7 @@ def _other_tensors(src: Path, fp4: set[str], model_type: str) -> dict[str, torch
     biases: dict[str, dict[int | None, np.ndarray]] = {}
     for name, t in load_tensors(src).items():
         module, _, suffix = name.rpartition(".")
-        if name.endswith(("_blocks", "_scales")):
+        if name.endswith(("_blocks", "_scales", ".k_scale", ".v_scale")):  # KV-cache scales: no MLX parameter
             continue
         if name.endswith("gate_up_proj_bias"):  # GPT-OSS: gate on even rows, up on odd
             base = name[: -len("gate_up_proj_bias")]

@@ -40,7 +40,7 @@ BF16 = 0.03
 BF16_BY_CASE = {"qwen3_5_moe-modelopt-nvfp4": 0.15}
 CASES = ["qwen3_moe-ct-mxfp4", "gpt_oss", "qwen3_moe-modelopt-nvfp4", "qwen3_moe-ct-nvfp4", "qwen3_moe-quark-mxfp4",
          "qwen3_moe-quark-nvfp4", "mixtral-ct-mxfp4", "mixtral-ct-nvfp4", "qwen3_moe-autoround-mxfp4",
-         "glm4_moe-ct-nvfp4", "granitemoe-ct-mxfp4", "qwen3_5_moe-modelopt-nvfp4", SHARDED]
+         "qwen3_moe-modelopt-nvfp4-fp8kv", "glm4_moe-ct-nvfp4", "granitemoe-ct-mxfp4", "qwen3_5_moe-modelopt-nvfp4", SHARDED]
 
 
 def _result(ran: Ran, name: str) -> dict[str, Any]:
