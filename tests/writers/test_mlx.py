@@ -46,7 +46,7 @@ def test_the_uint32_words_are_the_ocp_bytes() -> None:
 def test_experts_are_stacked_where_mlx_lm_holds_them(model_type: str, key: str, where: str) -> None:
     spec = UnitSpec("moe", key, (), (4, 64, 32), model_type == "gpt_oss", {"bias_dtype": "BF16"})
     outs = MLX.out_specs(spec, _ctx(model_type, [spec]))
-    want = []
+    want: list[tuple[str, str, tuple[int, ...]]] = []
     for proj, n, k in (("gate_proj", 32, 64), ("up_proj", 32, 64), ("down_proj", 64, 32)):
         want += [(f"{where}.{proj}.weight", "U32", (4, n, k // 8)), (f"{where}.{proj}.scales", "U8", (4, n, k // 32))]
         if model_type == "gpt_oss":
