@@ -60,7 +60,7 @@ def test_inspect_json(srcs: dict[str, Path], layout: str) -> None:
     assert doc["problems"] == []
     assert len(doc["files"]) == 3
     # H=64, I=32 experts fail Marlin's tile rules (only GPT-OSS, which vLLM pads, can go to marlin)
-    expected = {"gpt-oss": {"gpt-oss", "quark", "marlin"}}.get(layout, {"ct", "quark"})
+    expected = {"gpt-oss": {"gpt-oss", "quark", "marlin", "mlx"}}.get(layout, {"ct", "quark", "mlx"})
     assert set(doc["targets"]) == expected
     assert doc["total_bytes"] == sum(p.stat().st_size for p in srcs[layout].glob("*.safetensors")) - sum(
         8 + int.from_bytes(p.read_bytes()[:8], "little") for p in srcs[layout].glob("*.safetensors"))
