@@ -210,7 +210,7 @@ class Conversion:
         opts = self.job.opts
         # a remote source's shards are read at the link's rate, far below what one shard's hasher takes:
         # one shard at a time, so that the conversion reads one source shard at a time, in order
-        most = 1 if self.job.ckpt.remote is not None else SHARD_WINDOW
+        most = 1 if self._paced() else SHARD_WINDOW
         work = []
         j = -1
         for rank in self.job.output.ranks:
@@ -259,9 +259,13 @@ class Conversion:
         """What a unit is produced as: its expert groups from a remote source on one device (a unit read
         from local disk is there whole at once), else the unit."""
         job = self.job
-        if job.ckpt.remote is None or len(devices(job.opts)) > 1:
+        if not self._paced() or len(devices(job.opts)) > 1:
             return (unit,)
         return expert_groups(unit, job.ckpt, job.layout, job.target, ctx)
+
+    def _paced(self) -> bool:
+        """SRC's bytes arrive at a link's rate (a Hub repo read by range), not at a disk's."""
+        return self.job.ckpt.remote is not None and self.job.ckpt.remote.paced
 
     def _reuse(self, shard: PlannedShard, path: Path, rec: dict[str, Any] | None) -> bool:
         """Take a shard an earlier run finished, if its bytes still hash as recorded (and, from a

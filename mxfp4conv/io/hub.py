@@ -128,6 +128,12 @@ class RemoteRepo:
         return self.checked_small(name, got)
 
     @property
+    def paced(self) -> bool:
+        """The bytes arrive at a link's rate, far below a disk's: the conversion reads one shard at a time
+        and converts a MoE layer in groups of experts as their bytes arrive (conversion.py)."""
+        return True
+
+    @property
     def read_from(self) -> str:
         """Where the files' bytes come from: "hub" (by range) or "cache" (huggingface_hub's, io/hub_cache.py)."""
         return "hub"

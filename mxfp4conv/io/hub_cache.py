@@ -39,6 +39,10 @@ class CachedRepo(RemoteRepo):
     reference: str = "hub"
 
     @property
+    def paced(self) -> bool:
+        return False  # a local disk: whole units, several shards at once, as for a local folder
+
+    @property
     def read_from(self) -> str:
         return "cache"
 
