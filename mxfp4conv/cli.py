@@ -181,6 +181,8 @@ def _render_inspect(doc: dict[str, Any]) -> None:
 @click.option("--private", is_flag=True, help="--push-to-hub: create the repo private.")
 @click.option("--push-revision", default=None, metavar="BRANCH", help="--push-to-hub: commit to this branch (made if missing).")
 @click.option("--commit-message", default=None, metavar="TEXT", help="--push-to-hub: the commit's message.")
+@click.option("--base-model", default=None, metavar="ORG/NAME",
+              help="The Hub repo DST's card names as its base model (default: a repo id SRC, else the source card's).")
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as one JSON document on stdout.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, devices: str | None, max_shard_size: str, tp_size: int,
@@ -188,7 +190,7 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
                 dry_run: bool, no_verify: bool,
                 resume: bool, partition: str | None, finish: bool, skip_if_current: bool, ray_address: str | None,
                 push_to_hub: str | None, private: bool, push_revision: str | None, commit_message: str | None,
-                as_json: bool, debug: bool) -> None:
+                base_model: str | None, as_json: bool, debug: bool) -> None:
     """Convert SRC (folder or HF repo id) into DST; verified before it appears.
 
     \b
@@ -217,7 +219,7 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
                               max_shard_size=parse_size(max_shard_size), overwrite=overwrite, dry_run=dry_run,
                               verify=not no_verify, skip_if_current=skip_if_current, revision=revision, stream=stream, target_options=topts,
                               resume=resume, partition=_partition(partition), finish=finish,
-                              devices=_device_list(devices))
+                              devices=_device_list(devices), base_model=base_model)
         from mxfp4conv.push import PushOptions, ShardUploader, current_output, partition_push, push_output
 
         push = PushOptions.from_cli(push_to_hub, private, push_revision, commit_message, opts)
@@ -374,9 +376,7 @@ def _render_convert(doc: dict[str, Any]) -> None:
     _err.print(t)
     _err.print(f"MoE layers fused: {doc['fused_layers']}, FP4 units requantized: {doc['requantized']}, "
                f"tensors renamed: {doc['renamed']}, passed through: {doc['passthrough']}")
-    for name, st in sorted(doc["requant_stats"].items())[:20]:
-        sq = st.get("sqnr_db")
-        _err.print(f"  {_safe(name)}: SQNR {sq if sq is None else round(sq, 2)} dB, clipped {st.get('clipped_share', 0):.3%}")
+    _render_requant(doc["requant_stats"])
     on = doc.get("requantized_on") or {}
     if len(on) > 1:  # several GPUs
         _err.print("requantized on: " + ", ".join(f"{_safe(d)} {n} unit(s)" for d, n in sorted(on.items())))
@@ -402,6 +402,18 @@ def _render_convert(doc: dict[str, Any]) -> None:
         p = doc["push"]
         _err.print(f"[green]pushed:[/] {_safe(p['repo_id'])}@{_safe(p['revision'])} commit {p['commit']} ({p['files']} "
                    f"files, {p['bytes']:,} bytes{', private' if p['private'] else ''})", markup=True)
+
+
+def _render_requant(stats: dict[str, dict[str, Any]]) -> None:
+    """One summary of the requantized tensors (every tensor: --json, the manifest, DST/README.md)."""
+    from mxfp4conv.card import requant_summary, sqnr_text
+
+    s = requant_summary(stats)
+    if s is None:
+        return
+    _err.print(f"requantized tensors: {s.tensors}; SQNR worst {sqnr_text(s.worst[1])} ({_safe(s.worst[0])}), "
+               f"median {sqnr_text(s.median[1])} ({_safe(s.median[0])}); {s.clipped_tensors} clipped any block "
+               f"({s.clipped_blocks:,} of {s.blocks:,} blocks); every tensor in --json and DST/README.md")
 
 
 @cli.command("verify")

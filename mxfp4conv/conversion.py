@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from mxfp4conv.pipeline import ConvertReport
     from mxfp4conv.requant import RequantStats
 
+from mxfp4conv.card import CARD
 from mxfp4conv.check import InlineVerifier
 from mxfp4conv.errors import StagingError
 from mxfp4conv.io.atomic import remove_tree
@@ -40,8 +41,8 @@ __all__ = ["Conversion", "Progress", "ShardDone", "arrival_order", "extra_files"
 
 Progress = Callable[[int, int], None]
 ShardDone = Callable[[str, Path, str], None]  # a shard finished: its path in DST, where it is now, its sha256
-# files of SRC that the writer makes itself, never copies
-_SKIP_FILES = {"config.json", "model.safetensors.index.json", "hf_quant_config.json", MANIFEST}
+# files of SRC that the writer makes itself, never copies (the card is DST's own: card.py)
+_SKIP_FILES = {"config.json", "model.safetensors.index.json", "hf_quant_config.json", MANIFEST, CARD}
 
 
 def interleave(sizes: list[list[int]]) -> list[tuple[int, int]]:

@@ -43,10 +43,15 @@ class ConvertOptions:
     finish: bool = False  # publish once every partition's shards are in the staging folder
     devices: tuple[str, ...] = ()  # explicit devices for unit transforms, e.g. ("cuda:0", "cuda:1")
     stream: bool = False  # a Hub repo's shards read by range, not downloaded (io/hub.py)
+    base_model: str | None = None  # the card's base_model, ORG/NAME (card.py; a repo id SRC names its own)
 
     def fingerprint_dict(self) -> dict[str, Any]:
-        return {"target": self.target, "scale_rule": self.scale_rule, "max_shard_size": self.max_shard_size,
-                "extra": dict(sorted(self.target_options.as_strings().items()))}
+        out: dict[str, Any] = {"target": self.target, "scale_rule": self.scale_rule,
+                               "max_shard_size": self.max_shard_size,
+                               "extra": dict(sorted(self.target_options.as_strings().items()))}
+        if self.base_model is not None:  # it changes the card; absent otherwise, as in manifests made before it
+            out["base_model"] = self.base_model
+        return out
 
 
 @dataclass(frozen=True)

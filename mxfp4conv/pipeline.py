@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mxfp4conv import __version__
+from mxfp4conv.card import CARD, build_card, card_facts, check_base_model
 from mxfp4conv.check import InlineVerifier, check_structure
 from mxfp4conv.conversion import Conversion, Progress, ShardDone, extra_files
 from mxfp4conv.errors import ConvertError, OutputError, StagingError, UsageError
@@ -78,7 +79,8 @@ def source_fingerprint(ckpt: Checkpoint) -> dict[str, Any]:
     for a Hub repo read remotely as for a local copy of it)."""
     out: dict[str, Any] = {}
     repo = ckpt.remote
-    for name in ("config.json", "hf_quant_config.json", "model.safetensors.index.json"):
+    # the source's card too: DST's card carries its metadata and text
+    for name in ("config.json", "hf_quant_config.json", "model.safetensors.index.json", CARD):
         if repo is not None and name in repo.files:
             out[name] = {"sha256": sha256_file(repo.download(name))}
         elif repo is None and (ckpt.root / name).exists():
@@ -121,6 +123,7 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
     a Hub repo's shard bytes fetched so far and in all (``--stream``); ``on_shard``: each output shard
     once it is written, hashed and checked (``--push-to-hub`` uploads it then)."""
     t_start = time.perf_counter()
+    check_base_model(opts.base_model)
     # a GPU named outright starts (torch's import, CUDA) beside the planning; ``auto`` only once
     # the plan shows a requant, so renames never import torch
     early = not opts.dry_run and (opts.device.startswith("cuda") or any(d.startswith("cuda") for d in opts.devices))
@@ -208,6 +211,7 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
             return report
         for p in staging.glob(PROGRESS_GLOB):
             p.unlink()
+        outputs = _write_card(job, src, dst, staging, outputs, report)
         if verifier is not None:
             t0 = time.perf_counter()
             if run.reused and repo is not None:
@@ -244,6 +248,14 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
         raise
     report.seconds["total"] = time.perf_counter() - t_start
     return report
+
+
+def _write_card(job: Job, src: str | Path, dst: Path, staging: Path, outputs: dict[str, str],
+                report: ConvertReport) -> dict[str, str]:
+    """DST's own card into the staging folder (never the source's README.md): the outputs with it."""
+    path = staging / CARD
+    path.write_bytes(build_card(card_facts(job, src, dst, report.requant_stats)).encode("utf-8"))
+    return dict(sorted((outputs | {CARD: sha256_file(path)}).items()))
 
 
 def _recorded_proof(run: Conversion, verifier: InlineVerifier, job: Job, staging: Path) -> dict[str, Any]:
