@@ -16,15 +16,16 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from ab_cli import _TIMED  # noqa: E402 - the wrapper that measures one run's own peak RSS
+
 REPO = "bench-org/bench-model"
 COMMIT = "0" * 40
 
@@ -47,18 +48,18 @@ def fill_cache(src: Path, cache: Path) -> Path:
 
 
 def timed(name: str, src: str, dst: Path, to: str, env: dict[str, str]) -> dict[str, object]:
+    """One conversion in a wrapper process of its own (``ab_cli``'s), so its peak RSS is its alone."""
     shutil.rmtree(dst, ignore_errors=True)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    t = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "mxfp4conv", "convert", src, str(dst), "--to", to, "--device", "cpu",
-                          "--json"], capture_output=True, text=True, env=env, cwd=HERE.parent)
-    wall = time.perf_counter() - t
-    if out.returncode != 0:
-        raise SystemExit(f"{name}: exit {out.returncode}: {out.stderr[-2000:]}")
-    doc = json.loads(out.stdout)
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return {"run": name, "wall_s": round(wall, 3), "peak_rss_mib_at_least": round(max(rss, before) / 1024, 1),
-            "bytes_read_from_cache": (doc.get("hub") or {}).get("bytes_fetched"), "seconds": doc["seconds"]}
+    cmd = [sys.executable, "-c", _TIMED, str(HERE.parent), sys.executable, "-m", "mxfp4conv", "convert", src, str(dst),
+           "--to", to, "--device", "cpu", "--json"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    wall, _, _, rss_kib, rc, stdout, stderr = json.loads(out.stdout.strip().splitlines()[-1])
+    if rc:
+        raise SystemExit(f"{name}: exit {rc}: {stderr}")
+    doc = json.loads(stdout)
+    return {"run": name, "wall_s": round(wall, 3), "peak_rss_gb": round(rss_kib * 1024 / 1e9, 3),
+            "bytes_read_from_cache": (doc.get("hub") or {}).get("bytes_fetched"),
+            "seconds": {k: round(v, 2) for k, v in doc["seconds"].items()}}
 
 
 def main() -> None:
@@ -72,7 +73,7 @@ def main() -> None:
     shutil.rmtree(args.work, ignore_errors=True)
     gen = args.work / "gen"
     subprocess.run([sys.executable, str(HERE / "gen_checkpoint.py"), str(gen), "--layout", args.layout,
-                    "--layers", str(args.layers)], check=True)
+                    "--layers", str(args.layers)], check=True, stdout=subprocess.DEVNULL)
     cache = args.work / "hf"
     snap = fill_cache(gen, cache)
     size = sum(p.stat().st_size for p in snap.iterdir() if p.suffix == ".safetensors")
