@@ -37,7 +37,7 @@ from mxfp4conv.canonical import Canonical, FP4Weight, MoELayer
 from mxfp4conv.errors import VerificationFailed
 from mxfp4conv.io.pinned import StagePool
 from mxfp4conv.io.safetensors_io import CheckRange, FileSlice, torch_dtype
-from mxfp4conv.plan import PlannedUnit
+from mxfp4conv.plan import PlannedUnit, direct_runs
 from mxfp4conv.verify import MAX_SHOWN, first_range_difference, planned_mismatches, prove_unit
 from mxfp4conv.writers.base import OutTensor, Target, UnitSpec, WriterContext
 
@@ -80,11 +80,16 @@ class InlineVerifier:
         def run(fd: int, begin: int, end: int) -> None:
             found = []
             pos = begin
-            for o, s in zip(outs, slices, strict=True):
-                at = first_range_difference(s, fd, pos)
-                if at is not None:
-                    found.append({"tensor": o.name, "message": f"bytes differ from the source, first at byte {at}"})
-                pos += s.length
+            for o, parts in direct_runs(outs, slices):
+                start = pos
+                for s in parts:
+                    at = first_range_difference(s, fd, pos)
+                    pos += s.length
+                    if at is not None:
+                        found.append({"tensor": o.name, "message": "bytes differ from the source, first at byte "
+                                                                   f"{pos - s.length - start + at}"})
+                        break
+                pos = start + o.nbytes
             if pos != end:
                 found.append({"tensor": outs[0].name if outs else "?", "message": "unit bytes misplaced in the shard"})
             self._done(len(outs), found, shard)

@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +32,7 @@ from mxfp4conv.io.safetensors_io import BATCH_BYTES, CheckRange, FileSlice, Shar
 from mxfp4conv.io.source import ByteSource
 from mxfp4conv.job import Job, devices
 from mxfp4conv.manifest import MANIFEST
-from mxfp4conv.plan import PlannedShard, PlannedUnit, RankPlan, expert_groups
+from mxfp4conv.plan import PlannedShard, PlannedUnit, RankPlan, direct_runs, expert_groups
 from mxfp4conv.staging import SHARD_WINDOW, ShardFinisher, json_bytes, progress_file, reuse, sha256_file
 from mxfp4conv.units import UnitResult, unit_results
 from mxfp4conv.writers import WriterContext
@@ -97,6 +97,11 @@ class _OpenShard:
     stream: ShardStream
     stats: dict[str, Any] = field(default_factory=dict)
     fed: int = 0
+
+
+# what a shard's stream is fed: a tensor, a source range, source ranges one after the other (a tensor
+# stacked from several), a check
+Fed: TypeAlias = "torch.Tensor | FileSlice | tuple[FileSlice, ...] | CheckRange"
 
 
 @dataclass
@@ -397,7 +402,7 @@ class Conversion:
         report.seconds["transform"] = report.seconds.get("transform", 0.0) + res.t_transform
         if written:
             sh.stream.feed_written(len(unit.outs))
-            items: list[torch.Tensor | FileSlice | CheckRange] = []
+            items: list[Fed] = []
             nbytes, computed = unit.nbytes, False
         else:
             items, nbytes = self._items(unit, res, ctx, sh.path, last)
@@ -422,12 +427,16 @@ class Conversion:
             self.on_progress(self.done, self.job.output.total_bytes)
 
     def _items(self, unit: PlannedUnit, res: UnitResult, ctx: WriterContext, path: Path, last: bool
-               ) -> tuple[list[torch.Tensor | FileSlice | CheckRange], int]:
+               ) -> tuple[list[Fed], int]:
         """A unit's items for its shard's stream (its outputs, then, with a verifier, the check of their
         bytes, run once they are written) and its output bytes."""
-        items: list[torch.Tensor | FileSlice | CheckRange] = []
+        items: list[Fed] = []
         nbytes = 0
-        for o, t in zip(unit.outs, res.outs, strict=True):
+        stacked = unit.direct is not None and len(res.outs) != len(unit.outs)  # an output from several ranges
+        if stacked:
+            items = [parts for _, parts in direct_runs(unit.outs, res.outs)]
+            nbytes = sum(s.length for s in res.outs)
+        for o, t in zip(unit.outs, [] if stacked else res.outs, strict=not stacked):
             if isinstance(t, FileSlice):
                 nbytes += t.length
                 items.append(t)

@@ -19,7 +19,7 @@ from mxfp4conv.layouts.split import expert_group
 from mxfp4conv.writers.base import OutTensor, Target, WriterContext
 
 __all__ = ["GROUP_READ_BYTES", "MIN_GROUPS", "ConversionPlan", "PlannedShard", "PlannedUnit", "RankPlan",
-           "direct_slices", "expert_groups", "plan_conversion"]
+           "direct_runs", "direct_slices", "expert_groups", "plan_conversion"]
 
 # A MoE unit produced in expert groups reads at most this much per group, and is at least MIN_GROUPS
 # groups (where it has that many experts)
@@ -98,24 +98,50 @@ class ConversionPlan:
         return max((u.nbytes for _, s in self.shards() for u in s.units), default=0)
 
 
+# (source dtype, output dtype) pairs of the same bytes: OCP packed E2M1 codes as MLX's uint32 words
+_SAME_BYTES = {("U8", "U32")}
+
+
 def direct_slices(spec: UnitSpec, outs: list[OutTensor], ckpt: Checkpoint, target: Target,
                   ctx: WriterContext) -> tuple[FileSlice, ...] | None:
-    """Source byte ranges that become the unit's output tensors unchanged, or None (needs decoding)."""
+    """Source byte ranges that become the unit's output tensors unchanged, in output order (several for
+    an output stacked from them), or None (needs decoding)."""
     if ctx.facts.source_quant != "mxfp4" and spec.kind != "passthrough":
         return None
-    names = target.direct_sources(spec, ctx)
-    if names is None:
+    parts = target.direct_parts(spec, ctx)
+    if parts is None or len(parts) != len(outs):
         return None
-    refs = [ckpt.tensors[n] for n in names]
-    if len(refs) != len(outs) or any(r.dtype != o.dtype or r.nbytes != o.nbytes
-                                     for r, o in zip(refs, outs, strict=True)):
-        return None
+    refs = []
+    for names, o in zip(parts, outs, strict=True):
+        mine = [ckpt.tensors[n] for n in names]
+        if sum(r.nbytes for r in mine) != o.nbytes or any(
+                r.dtype != o.dtype and (r.dtype, o.dtype) not in _SAME_BYTES for r in mine):
+            return None
+        refs += mine
     # E8M0 0xFF (NaN) is invalid input even when only copied: the writer's hasher, which reads every
     # copied byte anyway, checks these slices (no separate pass over the scales)
     return tuple(FileSlice(r.file, r.begin, r.nbytes, r.name,
                            e8m0=spec.kind != "passthrough" and r.dtype == "U8" and r.name.endswith(("weight_scale", "_scales")),
                            source=r.source)
                  for r in refs)
+
+
+def direct_runs(outs: tuple[OutTensor, ...] | list[OutTensor], slices: tuple[FileSlice, ...] | list[FileSlice]
+                ) -> list[tuple[OutTensor, tuple[FileSlice, ...]]]:
+    """Each output tensor of a lossless unit with the source ranges that, one after the other, are its bytes."""
+    if len(slices) == len(outs):
+        return [(o, (s,)) for o, s in zip(outs, slices, strict=True)]
+    runs, at = [], 0
+    for o in outs:
+        parts, size = [], 0
+        while size < o.nbytes and at < len(slices):
+            parts.append(slices[at])
+            size += slices[at].length
+            at += 1
+        if size != o.nbytes:
+            raise AssertionError(f"{o.name}: source ranges of {size} bytes, planned {o.nbytes}")
+        runs.append((o, tuple(parts)))
+    return runs
 
 
 def _unit(spec: UnitSpec, ckpt: Checkpoint, target: Target, ctx: WriterContext) -> PlannedUnit:

@@ -34,6 +34,7 @@ from mxfp4conv.job import (
     resolve_device,
 )
 from mxfp4conv.manifest import MANIFEST
+from mxfp4conv.plan import direct_runs
 from mxfp4conv.writers.base import TargetOptions
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from mxfp4conv.writers import Target, WriterContext
     from mxfp4conv.writers.base import UnitSpec
 
-__all__ = ["VerifyReport", "compare_units", "first_difference", "first_range_difference", "planned_mismatches",
+__all__ = ["VerifyReport", "compare_units", "first_difference", "first_parts_difference", "first_range_difference", "planned_mismatches",
            "prove_unit", "verify_output"]
 
 MAX_SHOWN = 5
@@ -137,6 +138,25 @@ def first_difference(a: FileSlice, b: TensorRef, chunk: int = 2 << 20) -> int | 
         os.close(fb)
 
 
+def first_parts_difference(parts: tuple[FileSlice, ...], b: TensorRef) -> int | None:
+    """Offset of the first byte where source ranges, one after the other, and an output tensor differ."""
+    if len(parts) == 1:
+        return first_difference(parts[0], b)
+    if sum(p.length for p in parts) != b.nbytes:
+        return 0
+    fb = os.open(b.file, os.O_RDONLY)
+    try:
+        off = 0
+        for p in parts:
+            at = first_range_difference(p, fb, b.begin + off)
+            if at is not None:
+                return off + at
+            off += p.length
+        return None
+    finally:
+        os.close(fb)
+
+
 def first_range_difference(src: FileSlice, fd: int, pos: int, chunk: int = 2 << 20) -> int | None:
     """Offset of the first byte where the source range ``src`` (read through its byte source) and the
     open file ``fd`` from ``pos`` differ (None if equal; a short file differs where it ends). Two
@@ -223,8 +243,8 @@ def verify_output(src: str | Path, dst: str | Path, *, manifest_opts: ConvertOpt
             report.units += 1
             report.tensors += len(unit.outs)
             if unit.direct is not None:  # a rename: compare raw byte ranges, no decoding
-                for o, src_slice in zip(unit.outs, unit.direct, strict=True):
-                    at = first_difference(src_slice, out.tensors[o.name])
+                for o, parts in direct_runs(unit.outs, unit.direct):
+                    at = first_parts_difference(parts, out.tensors[o.name])
                     if at is not None:
                         report.mismatches.append({"tensor": o.name, "message": f"bytes differ from the source, "
                                                   f"first at byte {at}"})

@@ -615,9 +615,9 @@ class ShardStream:
         the error the shard's threads met."""
         self._writer.wait_written(pos)
 
-    def feed(self, item: bytes | torch.Tensor | FileSlice | CheckRange) -> None:
-        """The next tensor's bytes (a buffer, a tensor on the host or a GPU, or a source byte range), or a
-        check marker."""
+    def feed(self, item: bytes | torch.Tensor | FileSlice | tuple[FileSlice, ...] | CheckRange) -> None:
+        """The next tensor's bytes (a buffer, a tensor on the host or a GPU, a source byte range, or source
+        byte ranges one after the other), or a check marker."""
         w = self._writer
         if isinstance(item, CheckRange):
             self._flush()
@@ -628,6 +628,13 @@ class ShardStream:
             raise AssertionError(f"planned {len(self._sized)} tensors, produced more")
         name, dtype, shape, nbytes = self._sized[self._count]
         self._count += 1
+        if isinstance(item, tuple):  # a tensor stacked from several source tensors (--to mlx experts)
+            if (size := sum(s.length for s in item)) != nbytes:
+                raise AssertionError(f"{name}: produced {size} bytes, planned {nbytes} ({dtype}{list(shape)})")
+            self._put_device()
+            for s in item:
+                self._slice(s)
+            return
         if device_write.is_device_tensor(item):
             assert not isinstance(item, bytes | FileSlice)
             size = item.numel() * item.element_size()
@@ -646,17 +653,10 @@ class ShardStream:
         size = raw.length if isinstance(raw, FileSlice) else len(raw)
         if size != nbytes:
             raise AssertionError(f"{name}: produced {size} bytes, planned {nbytes} ({dtype}{list(shape)})")
-        self._pos += size
         if isinstance(raw, FileSlice):
-            if self._bufs:
-                w.put(self._bufs)
-                self._bufs, self._held = [], 0
-            self._slices.append(raw)
-            self._held += size
-            if len(self._slices) >= BATCH_SLICES or self._held >= BATCH_BYTES:
-                w.put(tuple(self._slices))
-                self._slices, self._held = [], 0
+            self._slice(raw)
             return
+        self._pos += size
         if self._slices:
             w.put(tuple(self._slices))
             self._slices, self._held = [], 0
@@ -666,6 +666,18 @@ class ShardStream:
         if len(self._bufs) >= BATCH_SLICES or self._held >= BATCH_BYTES:
             w.put(self._bufs)
             self._bufs, self._held = [], 0
+
+    def _slice(self, raw: FileSlice) -> None:
+        w = self._writer
+        self._pos += raw.length
+        if self._bufs:
+            w.put(self._bufs)
+            self._bufs, self._held = [], 0
+        self._slices.append(raw)
+        self._held += raw.length
+        if len(self._slices) >= BATCH_SLICES or self._held >= BATCH_BYTES:
+            w.put(tuple(self._slices))
+            self._slices, self._held = [], 0
 
     def write_ahead(self, index: int, tensors: list[torch.Tensor], check: CheckRange | None) -> None:
         """Queue host tensors ``index, index + 1, ...`` to be written at their place in the file, ahead

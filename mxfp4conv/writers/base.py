@@ -117,6 +117,13 @@ class Target:
         ranges without decoding them (lossless fast path)."""
         return [spec.key] if spec.kind == "passthrough" else None
 
+    def direct_parts(self, spec: UnitSpec, ctx: WriterContext) -> list[tuple[str, ...]] | None:
+        """For each output tensor, the source tensors whose bytes, one after the other, are exactly its
+        bytes (several where the target stacks them); None when the unit needs decoding. By default
+        ``direct_sources``, one source tensor each."""
+        names = self.direct_sources(spec, ctx)
+        return None if names is None else [(n,) for n in names]
+
     def slice_for_rank(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> Canonical:
         """The canonical part of ``unit`` a rank's output holds (all of it for single-rank targets)."""
         return unit

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
 from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, MoELayer, UnitSpec
-from mxfp4conv.writers.base import Getter, OutTensor, Target, WriterContext
+from mxfp4conv.writers.base import Getter, OutTensor, Target, WriterContext, split_direct_sources
 from mxfp4conv.writers.layers import precision_refusal
 
 __all__ = ["ARCHITECTURES", "QUANTIZATION", "MlxTarget", "mlx_config", "switch_prefix"]
@@ -112,6 +112,18 @@ class MlxTarget(Target):
         if spec.kind != "passthrough" or self._dropped(spec, ctx):
             return None
         return super().direct_sources(spec, ctx)
+
+    def direct_parts(self, spec: UnitSpec, ctx: WriterContext) -> list[tuple[str, ...]] | None:
+        """A split MXFP4 source's per-expert tensors, stacked by copying them one after the other: expert
+        e's bytes are row block e of the stacked tensor."""
+        if spec.kind == "passthrough":
+            return super().direct_parts(spec, ctx)
+        names = split_direct_sources(spec, ctx)
+        if names is None or spec.kind == "dense":
+            return None if names is None else [(n,) for n in names]
+        per = len(names) // (3 * spec.dims[0])  # tensors per expert projection: packed, scale[, bias]
+        by_expert = [names[i:i + 3 * per] for i in range(0, len(names), 3 * per)]
+        return [tuple(e[proj * per + field] for e in by_expert) for proj in range(3) for field in range(per)]
 
     def verify_unit(self, want: Canonical, spec: UnitSpec, ctx: WriterContext, get: Getter
                     ) -> list[dict[str, str]] | None:

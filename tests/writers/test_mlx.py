@@ -142,3 +142,22 @@ def test_keep_nvfp4_is_refused_for_mlx_at_planning(tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, ["convert", str(src), str(tmp_path / "out"), "--to", "mlx", "--keep-nvfp4"])
     assert res.exit_code != 0 and "--keep-nvfp4: MLX's nvfp4" in res.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_split_mxfp4_source_is_copied_expert_after_expert(ct_mxfp4: Path) -> None:
+    """Stacked experts from a lossless source are source ranges one after the other (no decoding): expert
+    e's tensor is row block e of the stacked one."""
+    from mxfp4conv.job import ConvertOptions, prepare
+    from mxfp4conv.plan import direct_runs
+
+    job = prepare(ct_mxfp4, ConvertOptions(target="mlx"))
+    moe = [u for _, s in job.output.shards() for u in s.units if u.spec.kind == "moe"]
+    assert moe and all(u.direct is not None for u in moe)
+    unit = moe[0]
+    assert unit.direct is not None
+    runs = direct_runs(unit.outs, unit.direct)
+    assert [(o.name.rsplit(".", 2)[-2:], len(p)) for o, p in runs][:2] == [(["gate_proj", "weight"], 4),
+                                                                          (["gate_proj", "scales"], 4)]
+    e = f"{unit.key}.{{}}.gate_proj.weight_packed"
+    assert [s.name for s in runs[0][1]] == [e.format(i) for i in range(4)]
+    assert all(sum(s.length for s in p) == o.nbytes for o, p in runs)
