@@ -29,6 +29,7 @@ __all__ = ["CARD", "CardFacts", "RequantSummary", "SourceCard", "base_model_of",
 CARD = "README.md"
 ORIGINAL_HEADING = "## The original release's model card"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_FRONT_MATTER = re.compile(r"\A---\n.*?\n---\n", re.DOTALL)
 _CARRIED = ("license", "license_name", "license_link", "pipeline_tag", "language")
 
 
@@ -113,9 +114,13 @@ def read_source_card(text: str | None) -> SourceCard:
     is dropped, its text kept."""
     if text is None:
         return SourceCard()
+    import yaml  # type: ignore[import-untyped]  # huggingface_hub's own dependency
     from huggingface_hub import ModelCard
 
-    card = ModelCard(text, ignore_metadata_errors=True)
+    try:
+        card = ModelCard(text, ignore_metadata_errors=True)
+    except (ValueError, yaml.YAMLError):  # YAML that does not parse at all: the text after it, no metadata
+        return SourceCard(text=_FRONT_MATTER.sub("", text, count=1))
     data = card.data.to_dict()
     return SourceCard({k: data[k] for k in _CARRIED if data.get(k) is not None}, data.get("base_model") or None,
                       card.text)
@@ -250,8 +255,8 @@ def _original(f: CardFacts) -> list[str]:
             "it describes the source, not this output.", text or "The source release has no model card."]
 
 
-def card_facts(job: Job, src: str | Path, dst: Path, requant_stats: dict[str, dict[str, Any]]) -> CardFacts:
-    """The card's facts for a planned conversion of ``src`` into ``dst``."""
+def card_facts(job: Job, src: str | Path, requant_stats: dict[str, dict[str, Any]]) -> CardFacts:
+    """The card's facts for a planned conversion of ``src``."""
     from mxfp4conv import __version__
     from mxfp4conv.inspect import fp4_experts
 
@@ -269,18 +274,19 @@ def card_facts(job: Job, src: str | Path, dst: Path, requant_stats: dict[str, di
     return CardFacts(
         source=source, repo_id=ckpt.repo_id, commit=ckpt.revision if ckpt.repo_id else None,
         base_model=base_model_of(opts.base_model, ckpt.repo_id, card, earlier if isinstance(earlier, dict) else None),
-        layout=job.plan.layout, target=job.target.NAME, version=__version__, command=_command(job, source, dst),
+        layout=job.plan.layout, target=job.target.NAME, version=__version__, command=_command(job, source),
         precision=job.plan.precision.counts(fp4_experts(job.plan), kinds.count("dense")),
         kv_cache=job.plan.precision.kv_cache, requantized=job.needs_device, scale_rule=opts.scale_rule,
         requant_stats=requant_stats, verified=opts.verify, tp_size=job.ctx.target_options.tp_size, card=card)
 
 
-def _command(job: Job, source: str, dst: Path) -> str:
+def _command(job: Job, source: str) -> str:
     """The ``convert`` command with the options that change the output's bytes."""
     from mxfp4conv.job import ConvertOptions
 
     opts, t = job.opts, job.opts.target_options
-    words = ["mxfp4conv", "convert", source if job.ckpt.repo_id else f"./{source}", f"./{dst.name}",
+    # DST as in "how to run it": the card is the same wherever the output was written
+    words = ["mxfp4conv", "convert", source if job.ckpt.repo_id else f"./{source}", "DST",
              "--to", job.target.NAME]
     if job.ckpt.repo_id and opts.revision:
         words += ["--revision", opts.revision]

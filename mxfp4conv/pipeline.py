@@ -211,7 +211,7 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
             return report
         for p in staging.glob(PROGRESS_GLOB):
             p.unlink()
-        outputs = _write_card(job, src, dst, staging, outputs, report)
+        outputs = _write_card(job, src, staging, outputs, report)
         if verifier is not None:
             t0 = time.perf_counter()
             if run.reused and repo is not None:
@@ -250,11 +250,11 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
     return report
 
 
-def _write_card(job: Job, src: str | Path, dst: Path, staging: Path, outputs: dict[str, str],
-                report: ConvertReport) -> dict[str, str]:
+def _write_card(job: Job, src: str | Path, staging: Path, outputs: dict[str, str], report: ConvertReport
+                ) -> dict[str, str]:
     """DST's own card into the staging folder (never the source's README.md): the outputs with it."""
     path = staging / CARD
-    path.write_bytes(build_card(card_facts(job, src, dst, report.requant_stats)).encode("utf-8"))
+    path.write_bytes(build_card(card_facts(job, src, report.requant_stats)).encode("utf-8"))
     return dict(sorted((outputs | {CARD: sha256_file(path)}).items()))
 
 

@@ -325,6 +325,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._lfs_put(unquote(m.group(1)), m.group(2), body)
             if self.command == "POST" and split.path == "/api/repos/create":
                 return self._create(body)
+            if self.command == "POST" and split.path == "/api/validate-yaml":
+                return self._validate_yaml(body)
             if self.command == "POST" and (m := _WRITE.match(split.path)):
                 return self._write(unquote(m.group(1)), m.group(2), unquote(m.group(3)), body)
             if self.command == "POST" and (m := _LFS_API.match(split.path)):
@@ -338,6 +340,21 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(404, b"not found")
         except (BrokenPipeError, ConnectionResetError):
             return None
+
+    def _validate_yaml(self, body: bytes) -> None:
+        """A README.md's metadata, checked before a commit that adds one (huggingface_hub's create_commit
+        asks): it must parse as a mapping, and ``base_model_relation`` needs a ``base_model``."""
+        import yaml
+
+        content = json.loads(body or b"{}").get("content", "")
+        m = re.match(r"\A---\n(.*?)\n---\n", content, re.DOTALL)
+        try:
+            meta = yaml.safe_load(m.group(1)) if m else {}
+        except yaml.YAMLError as exc:
+            return self._send(400, json.dumps({"errors": [{"message": f"invalid YAML: {exc}"}]}).encode())
+        if not isinstance(meta, dict) or ("base_model_relation" in meta and not meta.get("base_model")):
+            return self._send(400, json.dumps({"errors": [{"message": "invalid metadata"}]}).encode())
+        return self._json({"errors": [], "warnings": []})
 
     def _body(self) -> bytes:
         """The request body: Content-Length bytes, or the chunks of ``Transfer-Encoding: chunked``."""

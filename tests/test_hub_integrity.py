@@ -63,8 +63,9 @@ def sha(path: Path) -> str:
 
 
 def files(folder: Path) -> dict[str, str]:
+    """Every output file but the manifest and the card, which name the source (a repo, or a folder)."""
     return {str(p.relative_to(folder)): sha(p) for p in sorted(folder.rglob("*")) if p.is_file()
-            and p.name != "mxfp4conv.json"}
+            and p.name not in ("mxfp4conv.json", "README.md")}
 
 
 def tree(folder: Path) -> dict[str, str]:
