@@ -178,3 +178,19 @@ def test_the_pushed_commit_holds_the_card(server: HubServer, carded: Path, tmp_p
     res = cli(server, tmp_path, *args)
     assert res.returncode == 0, res.stderr
     assert not server.requests(lambda r: r.method == "PUT") and not server.requests(commits)
+
+
+def test_partitions_finish_with_the_card_and_verify_takes_it(carded: Path, tmp_path: Path) -> None:
+    """--partition writes no card (the statistics are not all in yet); --finish writes the one a single run
+    writes, lists it among the outputs, and verify proves that output."""
+    dst, whole = tmp_path / "parts", tmp_path / "whole"
+    args = ("--to", "ct", "--max-shard-size", "150KB")
+    run("convert", str(carded), str(whole), *args)
+    for i in range(2):
+        assert run("convert", str(carded), str(dst), *args, "--partition", f"{i}/2")["status"] == "partial"
+    run("convert", str(carded), str(dst), *args, "--finish")
+    assert (dst / "README.md").read_bytes() == (whole / "README.md").read_bytes()
+    manifest = json.loads((dst / MANIFEST).read_text())
+    assert len([n for n in manifest["outputs"] if n.endswith(".safetensors")]) >= 2 and "README.md" in manifest["outputs"]
+    res = CliRunner().invoke(mxfp4conv_cli, ["verify", str(carded), str(dst), "--device", "cpu"])
+    assert res.exit_code == 0, res.stderr

@@ -277,7 +277,9 @@ def test_convert_of_a_repo_id_carries_the_extra_files_a_local_copy_does(
     assert ".gitattributes" in names
     assert sorted(p.name for p in (tmp_path / "remote").iterdir() if p.name != "mxfp4conv.json") == names
     for n in names:
-        assert (tmp_path / "remote" / n).read_bytes() == (tmp_path / "local" / n).read_bytes(), n
+        if n != "README.md":  # the card names its source: the repo and its commit, or the folder
+            assert (tmp_path / "remote" / n).read_bytes() == (tmp_path / "local" / n).read_bytes(), n
+    assert f"base_model: {REPO}\n" in (tmp_path / "remote" / "README.md").read_text()
     manifest = json.loads((tmp_path / "remote" / "mxfp4conv.json").read_text())
     assert manifest["source"]["repo_id"] == REPO and manifest["source"]["revision"] == commit
 
