@@ -344,7 +344,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _validate_yaml(self, body: bytes) -> None:
         """A README.md's metadata, checked before a commit that adds one (huggingface_hub's create_commit
         asks): it must parse as a mapping, and ``base_model_relation`` needs a ``base_model``."""
-        import yaml
+        import yaml  # type: ignore[import-untyped]
 
         content = json.loads(body or b"{}").get("content", "")
         m = re.match(r"\A---\n(.*?)\n---\n", content, re.DOTALL)
