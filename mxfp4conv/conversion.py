@@ -316,7 +316,7 @@ class Conversion:
     def _finish_rank(self, rank: RankPlan, out_dir: Path) -> None:
         """The rank's index, config and the source's other files; every file's sha256."""
         job = self.job
-        if len(rank.shards) > 1:
+        if len(rank.shards) > 1 or job.target.ALWAYS_INDEX:
             index = {"metadata": {"total_size": rank.nbytes}, "weight_map": dict(sorted(rank.weight_map().items()))}
             (out_dir / "model.safetensors.index.json").write_bytes(json_bytes(index))
         (out_dir / "config.json").write_bytes(json_bytes(job.target.config(job.ckpt.config, rank.ctx)))

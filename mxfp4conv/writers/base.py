@@ -96,6 +96,8 @@ class Target:
     # a MoE unit's outputs are each expert's own tensors, expert after expert, encoded from that expert
     # alone: a group of experts (``UnitSpec.first``) encodes to a run of the unit's outputs
     EXPERT_MAJOR = False
+    # model.safetensors.index.json is written for one shard too (mlx-lm's save_model always writes it)
+    ALWAYS_INDEX = False
 
     def refuse(self, ctx: WriterContext) -> str | None:
         """Why this (source, target) pair makes no sense, or None."""

@@ -85,6 +85,7 @@ def mlx_config(src_config: dict[str, object], ctx: WriterContext) -> dict[str, o
 
 class MlxTarget(Target):
     NAME = "mlx"
+    ALWAYS_INDEX = True
 
     def refuse(self, ctx: WriterContext) -> str | None:
         mt = ctx.facts.model_type

@@ -124,6 +124,8 @@ def test_cli_inspect_convert_verify(ct_mxfp4: Path, tmp_path: Path) -> None:
     assert res.exit_code == 0, res.stderr
     assert json.loads((dst / "config.json").read_text())["quantization"]["mode"] == "mxfp4"
     assert (dst / "tokenizer_config.json").exists()
+    index = json.loads((dst / "model.safetensors.index.json").read_text())  # one shard: indexed, as mlx-lm writes it
+    assert set(index["weight_map"].values()) == {"model.safetensors"}
     assert runner.invoke(cli, ["verify", str(ct_mxfp4), str(dst)]).exit_code == 0
     from safetensors.torch import load_file, save_file
 
