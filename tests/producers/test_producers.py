@@ -65,15 +65,15 @@ RUNTIME_TARGETS = ["ct", "quark", "gpt-oss"]
 
 # fixture -> (layout, model_type, scheme, runtime targets inspect must offer (in its order), dense FP4 Linears)
 EXPECT: dict[str, tuple[str, str, str, list[str], int]] = {
-    "qwen3_moe-mxfp4a16": ("ct-mxfp4", "qwen3_moe", "w4a16", ["ct", "quark"], 0),
-    "qwen3_moe-mxfp4": ("ct-mxfp4", "qwen3_moe", "w4a4", ["ct", "quark"], 0),
-    "qwen3_moe-nvfp4a16": ("ct-nvfp4", "qwen3_moe", "w4a16", ["ct", "quark"], 0),
-    "mixtral-mxfp4a16": ("ct-mxfp4", "mixtral", "w4a16", ["ct", "quark"], 0),
-    "gpt_oss-mxfp4a16": ("ct-mxfp4", "gpt_oss", "w4a16", ["quark", "gpt-oss"], 0),
-    "gpt_oss-native": ("gpt-oss", "gpt_oss", "w4a16", ["quark", "gpt-oss"], 0),
+    "qwen3_moe-mxfp4a16": ("ct-mxfp4", "qwen3_moe", "w4a16", ["ct", "quark", "mlx"], 0),
+    "qwen3_moe-mxfp4": ("ct-mxfp4", "qwen3_moe", "w4a4", ["ct", "quark", "mlx"], 0),
+    "qwen3_moe-nvfp4a16": ("ct-nvfp4", "qwen3_moe", "w4a16", ["ct", "quark", "mlx"], 0),
+    "mixtral-mxfp4a16": ("ct-mxfp4", "mixtral", "w4a16", ["ct", "quark", "mlx"], 0),
+    "gpt_oss-mxfp4a16": ("ct-mxfp4", "gpt_oss", "w4a16", ["quark", "gpt-oss", "mlx"], 0),
+    "gpt_oss-native": ("gpt-oss", "gpt_oss", "w4a16", ["quark", "gpt-oss", "mlx"], 0),
     # attention quantized too: q/k/v/o x 2 layers; the gpt-oss layout has no FP4 dense layers
-    "qwen3_moe-mxfp4a16-attn": ("ct-mxfp4", "qwen3_moe", "w4a16", ["ct", "quark"], 4 * LAYERS),
-    "gpt_oss-mxfp4a16-attn": ("ct-mxfp4", "gpt_oss", "w4a16", ["quark"], 4 * LAYERS),
+    "qwen3_moe-mxfp4a16-attn": ("ct-mxfp4", "qwen3_moe", "w4a16", ["ct", "quark", "mlx"], 4 * LAYERS),
+    "gpt_oss-mxfp4a16-attn": ("ct-mxfp4", "gpt_oss", "w4a16", ["quark", "mlx"], 4 * LAYERS),
 }
 
 MIXTRAL_XFAIL = ("transformers 5.17 maps block_sparse_moe -> mlp but has no rule for llm-compressor's per-expert "
