@@ -164,3 +164,61 @@ def test_a_token_goes_to_the_hub_and_never_to_the_cdn(server: HubServer, source:
         assert all(r.authorized for r in hub_api), [r.path for r in hub_api if not r.authorized]
     finally:
         server.write_token = None
+
+
+def flip_a_weight_byte(src: Path, dst: Path, name: str) -> None:
+    """A copy of ``src`` whose file ``name`` has the lowest bit of one byte in its largest tensor flipped
+    (an even byte: of a BF16 value, the low mantissa byte, so the value stays finite)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    data = bytearray((dst / name).read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    begin, end = max((m["data_offsets"] for k, m in header.items() if k != "__metadata__"), key=lambda o: o[1] - o[0])
+    data[8 + n + begin + ((end - begin) // 2 & ~1)] ^= 1
+    (dst / name).write_bytes(bytes(data))
+
+
+def test_a_resumed_stream_rebuilds_a_recorded_shard_of_an_unchecked_source(server: HubServer, source: Path,
+                                                                            tmp_path: Path) -> None:
+    """The staging folder a stopped ``--stream`` run leaves when it had made shards from a source file
+    whose bytes then failed (or never reached) the Hub's sha256 check: those shards are recorded (their
+    own sha256 is right), the file is not in ``checked``. --resume must make them again from the file
+    read and checked anew (every shard made from it, not only the damaged ones), and take the others
+    as they are. The recorded shards here are what a corrupted copy of the file converts to, so taking
+    them would publish wrong weights."""
+    local, damaged = tmp_path / "local", tmp_path / "damaged-out"
+    second = "model-00002-of-00003.safetensors"
+    flip_a_weight_byte(source, tmp_path / "damaged", second)
+    for src, out in ((source, local), (tmp_path / "damaged", damaged)):
+        assert CliRunner().invoke(mxfp4conv_cli, ["convert", str(src), str(out), *FLAGS]).exit_code == 0
+    bad = sorted(rel for rel, h in files(damaged).items() if rel.endswith(".safetensors") and files(local)[rel] != h)
+    assert bad and all(sources_of(local, rel, source) == {second} for rel in bad), bad
+    # every shard staged and recorded by a stream run (one partition of one: nothing is published)
+    dst = tmp_path / "out"
+    staging = tmp_path / ".out.mxfp4conv-staging"
+    got = cli(server, tmp_path / "cache", "convert", "org/three", str(dst), *FLAGS, "--stream", "--partition", "0/1")
+    assert got.returncode == 0, got.stderr
+    (part,) = staging.glob(".mxfp4conv-progress*.json")
+    record = json.loads(part.read_text())
+    assert second in record["checked"] and all(second in record["shards"][rel]["sources"] for rel in bad), record
+    # ... as the stopped run left it: the shards made from the corrupted file recorded, that file unchecked
+    for rel in bad:
+        (staging / rel).write_bytes((damaged / rel).read_bytes())
+        record["shards"][rel]["sha256"] = sha(staging / rel)
+    del record["checked"][second]
+    part.unlink()
+    (staging / ".mxfp4conv-progress.json").write_text(json.dumps(record))
+    kept = sorted(rel for rel, rec in record["shards"].items() if second not in rec["sources"])
+    assert kept and not set(bad) & set(kept)
+    before = {rel: ((staging / rel).stat().st_ino, (staging / rel).stat().st_mtime_ns) for rel in record["shards"]}
+    server.clear_log()
+    got = cli(server, tmp_path / "cache", "convert", "org/three", str(dst), *FLAGS, "--stream", "--resume", "--json")
+    assert got.returncode == 0, got.stderr
+    assert files(dst) == files(local)
+    after = {rel: ((dst / rel).stat().st_ino, (dst / rel).stat().st_mtime_ns) for rel in before}
+    assert sorted(rel for rel in before if before[rel] == after[rel]) == kept
+    sizes = {f.name: f.stat().st_size for f in source.glob("*.safetensors")}
+    sent = sent_per_file(server, source)
+    assert sent[second] >= sizes[second] and all(sent[f] < sizes[f] for f in sizes if f != second), sent
