@@ -16,6 +16,7 @@ keys mlx-lm's model classes read restored where transformers 5 renamed them.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -30,7 +31,8 @@ __all__ = ["ARCHITECTURES", "QUANTIZATION", "MlxTarget", "mlx_config", "switch_p
 QUANTIZATION = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
 # model_type -> the mlx-lm 0.32 model module that loads it (its sanitize and names checked for each)
 ARCHITECTURES = {"qwen3_moe": "qwen3_moe", "qwen3_5_moe": "qwen3_5_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss",
-                 "glm4_moe": "glm4_moe", "granitemoe": "granitemoe"}
+                 "glm4_moe": "glm4_moe", "granitemoe": "granitemoe", "deepseek_v3": "deepseek_v3",
+                 "kimi_k2": "deepseek_v3"}
 PROJS = ("gate_proj", "up_proj", "down_proj")
 # What keeps an MLX nvfp4 layer from holding a ModelOpt / compressed-tensors NVFP4 weight exactly
 KEEP_NVFP4_REFUSAL = ("--keep-nvfp4: MLX's nvfp4 dequantizes code * (scale * (global_scale / 2688)) with the block "
@@ -38,6 +40,8 @@ KEEP_NVFP4_REFUSAL = ("--keep-nvfp4: MLX's nvfp4 dequantizes code * (scale * (gl
                       "to MXFP4")
 _DROPPED_KEYS = ("quantization_config", "compression_config", "_name_or_path")
 _KV_SCALES = (".k_scale", ".v_scale")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_NO_MTP = ("deepseek_v3", "kimi_k2")  # mlx-lm's deepseek_v3 builds num_hidden_layers layers, no MTP
 
 
 def switch_prefix(key: str, ctx: WriterContext) -> str:
@@ -103,8 +107,13 @@ class MlxTarget(Target):
         return precision_refusal(ctx, "MLX", fp8_block=False, fp8=False)
 
     def _dropped(self, spec: UnitSpec, ctx: WriterContext) -> bool:
-        """An FP8 KV cache's scales: mlx-lm keeps its cache in the compute dtype and has no parameter for them."""
-        return spec.kind == "passthrough" and ctx.precision.kv_cache is not None and spec.key.endswith(_KV_SCALES)
+        """What mlx-lm's model has no parameter for, so its ``sanitize`` (and so ``mlx_lm.convert``) drops it:
+        an FP8 KV cache's scales (mlx-lm keeps its cache in the compute dtype) and DeepSeek-V3's MTP layer
+        (a decoder layer past ``num_hidden_layers``)."""
+        if spec.kind == "passthrough" and ctx.precision.kv_cache is not None and spec.key.endswith(_KV_SCALES):
+            return True
+        layer = _LAYER.match(spec.key)
+        return ctx.facts.model_type in _NO_MTP and layer is not None and int(layer[1]) >= ctx.facts.num_layers
 
     def shard_metadata(self, ctx: WriterContext) -> dict[str, str]:
         return {"format": "mlx"}  # what mlx.core.save_safetensors records
@@ -117,6 +126,8 @@ class MlxTarget(Target):
     def direct_parts(self, spec: UnitSpec, ctx: WriterContext) -> list[tuple[str, ...]] | None:
         """A split MXFP4 source's per-expert tensors, stacked by copying them one after the other: expert
         e's bytes are row block e of the stacked tensor."""
+        if self._dropped(spec, ctx):
+            return None
         if spec.kind == "passthrough":
             return super().direct_parts(spec, ctx)
         names = split_direct_sources(spec, ctx)
@@ -132,6 +143,8 @@ class MlxTarget(Target):
 
     def out_specs(self, spec: UnitSpec, ctx: WriterContext) -> list[OutTensor]:
         bias = spec.extra.get("bias_dtype", "BF16") if spec.has_bias else None
+        if self._dropped(spec, ctx):
+            return []
         if spec.kind == "moe":
             e, h, i = spec.dims
             sw = switch_prefix(spec.key, ctx)
@@ -140,9 +153,11 @@ class MlxTarget(Target):
         if spec.kind == "dense":
             n, k = spec.dims
             return _linear_specs(spec.key, (), n, k, bias)
-        return [] if self._dropped(spec, ctx) else super().out_specs(spec, ctx)
+        return super().out_specs(spec, ctx)
 
     def encode(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> list[torch.Tensor]:
+        if self._dropped(spec, ctx):
+            return []
         if isinstance(unit, MoELayer):
             i = unit.w13.packed.shape[1] // 2
             out: list[torch.Tensor] = []
@@ -153,7 +168,7 @@ class MlxTarget(Target):
         if isinstance(unit, DenseFP4):
             w = unit.weight
             return [_u32(w.packed), w.scales] + ([unit.bias] if unit.bias is not None else [])
-        return [] if self._dropped(spec, ctx) else super().encode(unit, spec, ctx)
+        return super().encode(unit, spec, ctx)
 
     def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
         import torch

@@ -62,8 +62,9 @@ def add_tokenizer(folder: Path) -> None:
 def sources(root: Path) -> list[Case]:
     """Every layout on a tiny Qwen3-MoE (GPT-OSS on its own), Mixtral, and the replicas (tests/replicas) of
     the families mlx-lm has a model for that convert: AutoRound's Qwen3-MoE (FP4 attention: dense FP4
-    Linears), NVIDIA's Qwen3-MoE NVFP4 (FP4 attention, an FP8 KV cache), GLM-4.5, GraniteMoE, Qwen3.5-MoE."""
-    from tests.replicas import ct_families, granitemoe, qwen35
+    Linears), NVIDIA's Qwen3-MoE NVFP4 (FP4 attention, an FP8 KV cache), DeepSeek-R1 (NVIDIA's NVFP4 and
+    AMD's Quark MXFP4, each with an MTP layer), GLM-4.5, GraniteMoE, Qwen3.5-MoE."""
+    from tests.replicas import ct_families, deepseek, granitemoe, qwen35
     from tests.replicas.ct_families import autoround_mxfp4, glm45
     from tests.serving.serving_sources import build_moe
 
@@ -80,6 +81,8 @@ def sources(root: Path) -> list[Case]:
     out["glm4_moe-ct-nvfp4"] = (glm45(root / "glm45").path, "glm4_moe")
     out["granitemoe-ct-mxfp4"] = (granitemoe.llmcompressor_mxfp4(root / "granite").path, "granitemoe")
     out["qwen3_moe-modelopt-nvfp4-fp8kv"] = (ct_families.modelopt_nvfp4_qwen3(root / "qwen3-nvfp4").path, "qwen3_moe")
+    out["deepseek_v3-modelopt-nvfp4-r1"] = (deepseek.modelopt_nvfp4_r1(root / "r1").path, "deepseek_v3")
+    out["deepseek_v3-quark-mxfp4-r1"] = (deepseek.quark_mxfp4_r1(root / "r1-quark").path, "deepseek_v3")
     out["qwen3_5_moe-modelopt-nvfp4"] = (qwen35.modelopt_nvfp4_qwen35(root / "qwen35").path, "qwen3_5_moe")
     cases = []
     for name, (path, mt) in out.items():
@@ -107,6 +110,14 @@ def mlx_name(module: str, model_type: str) -> tuple[str, int | None]:
     return f"{m['c']}.switch_mlp.{proj}", int(m["e"])  # qwen3_moe / mixtral sanitize: switch_mlp
 
 
+def _mtp(name: str, src: Path, model_type: str) -> bool:
+    """A tensor of DeepSeek-V3's MTP layer (past num_hidden_layers): mlx-lm's model has none."""
+    m = re.match(r"^model\.layers\.(\d+)\.", name)
+    if model_type != "deepseek_v3" or m is None:
+        return False
+    return int(m[1]) >= int(json.loads((src / "config.json").read_text())["num_hidden_layers"])
+
+
 def _stack(parts: dict[str, dict[int | None, np.ndarray]]) -> dict[str, torch.Tensor]:
     out = {}
     for name, by_e in parts.items():
@@ -123,6 +134,8 @@ def _other_tensors(src: Path, fp4: set[str], model_type: str) -> dict[str, torch
     biases: dict[str, dict[int | None, np.ndarray]] = {}
     for name, t in load_tensors(src).items():
         module, _, suffix = name.rpartition(".")
+        if _mtp(name, src, model_type):
+            continue
         if name.endswith(("_blocks", "_scales", ".k_scale", ".v_scale")):  # KV-cache scales: no MLX parameter
             continue
         if name.endswith("gate_up_proj_bias"):  # GPT-OSS: gate on even rows, up on odd
@@ -153,6 +166,8 @@ def write_expectations(case: Case) -> None:
     ref: dict[str, dict[int | None, np.ndarray]] = {}
     fp4 = oracle.source_fp4(case.src)
     for module, w in fp4.items():
+        if _mtp(module + ".", case.src, case.model_type):
+            continue
         target, e = mlx_name(module, case.model_type)
         if isinstance(w, oracle.NV):
             ref.setdefault(f"{target}.weight", {})[e] = w.values

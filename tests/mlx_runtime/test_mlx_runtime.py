@@ -1,10 +1,11 @@
 """``--to mlx`` outputs computed by MLX itself (mlx 0.32.4 / mlx-lm 0.32.2 on this CPU, ``mlx[cpu]``).
 
-Per case (every input layout on a tiny Qwen3-MoE, GPT-OSS, Mixtral MXFP4 / NVFP4, the replicas of GLM-4.5,
-GraniteMoE, Qwen3.5-MoE and AutoRound's Qwen3-MoE with FP4 attention, an output split by ``--max-shard-size``): ``mlx_lm.load`` in strict mode; every FP4
-module MLX builds dequantizes (``mx.dequantize(..., mode="mxfp4")``) bit for bit to the source's values
-(MXFP4) or to the oracle's requantization of them (NVFP4), and no FP4 module is left unchecked; the
-prompt's logits agree with float32 references; ``mlx_lm.generate`` produces tokens.
+Per case (every input layout on a tiny Qwen3-MoE, GPT-OSS, Mixtral MXFP4 / NVFP4, the replicas of
+GLM-4.5, GraniteMoE, Qwen3.5-MoE, DeepSeek-R1 (NVFP4 and Quark MXFP4), NVIDIA's Qwen3-MoE NVFP4 and
+AutoRound's Qwen3-MoE with FP4 attention, an output split by ``--max-shard-size``): ``mlx_lm.load`` in
+strict mode; every FP4 module MLX builds dequantizes (``mx.dequantize(..., mode="mxfp4")``) bit for bit
+to the source's values (MXFP4) or to the oracle's requantization of them (NVFP4), and no FP4 module is
+left unchecked; the prompt's logits agree with float32 references; ``mlx_lm.generate`` produces tokens.
 
 Tolerances, as a mean |difference| relative to the RMS of the reference logits:
 
@@ -40,7 +41,7 @@ BF16 = 0.03
 BF16_BY_CASE = {"qwen3_5_moe-modelopt-nvfp4": 0.15}
 CASES = ["qwen3_moe-ct-mxfp4", "gpt_oss", "qwen3_moe-modelopt-nvfp4", "qwen3_moe-ct-nvfp4", "qwen3_moe-quark-mxfp4",
          "qwen3_moe-quark-nvfp4", "mixtral-ct-mxfp4", "mixtral-ct-nvfp4", "qwen3_moe-autoround-mxfp4",
-         "qwen3_moe-modelopt-nvfp4-fp8kv", "glm4_moe-ct-nvfp4", "granitemoe-ct-mxfp4", "qwen3_5_moe-modelopt-nvfp4", SHARDED]
+         "qwen3_moe-modelopt-nvfp4-fp8kv", "deepseek_v3-modelopt-nvfp4-r1", "deepseek_v3-quark-mxfp4-r1", "glm4_moe-ct-nvfp4", "granitemoe-ct-mxfp4", "qwen3_5_moe-modelopt-nvfp4", SHARDED]
 
 
 def _result(ran: Ran, name: str) -> dict[str, Any]:

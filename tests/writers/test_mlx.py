@@ -102,11 +102,22 @@ def test_an_fp8_kv_cache_s_scales_are_not_written() -> None:
     assert [o.name for o in MLX.out_specs(spec, plain)] == [spec.key]
 
 
+def test_deepseek_s_mtp_layer_is_not_written() -> None:
+    """mlx-lm's deepseek_v3 builds num_hidden_layers (here 2) decoder layers and drops the MTP layer."""
+    mtp = UnitSpec("moe", "model.layers.2.mlp.experts", (), (4, 64, 32))
+    norm = UnitSpec("passthrough", "model.layers.2.enorm.weight", ("t",))
+    kept = UnitSpec("moe", "model.layers.1.mlp.experts", (), (4, 64, 32))
+    ctx = _ctx("deepseek_v3", [mtp, norm, kept], pt={norm.key: ("BF16", (64,))})
+    assert MLX.out_specs(mtp, ctx) == [] and MLX.out_specs(norm, ctx) == []
+    assert len(MLX.out_specs(kept, ctx)) == 6
+    assert [o.name for o in MLX.out_specs(norm, _ctx("qwen3_moe", [norm], pt=ctx.passthrough_dtypes))] == [norm.key]
+
+
 def test_refusals() -> None:
     moe = UnitSpec("moe", "model.layers.0.mlp.experts", (), (4, 64, 32))
     assert MLX.refuse(_ctx("qwen3_moe", [moe])) is None
-    why = MLX.refuse(_ctx("deepseek_v3", [moe]))
-    assert why is not None and "not 'deepseek_v3'" in why and "qwen3_moe" in why and "gpt_oss" in why
+    why = MLX.refuse(_ctx("llama4", [moe]))
+    assert why is not None and "not 'llama4'" in why and "qwen3_moe" in why and "deepseek_v3" in why
     assert MLX.refuse(_ctx("qwen3_moe", [moe], options=TargetOptions(keep_nvfp4=True))) == KEEP_NVFP4_REFUSAL
     o = "model.layers.0.self_attn.o_proj"
     fp8 = PrecisionModel(fp8={o: Fp8Linear(o, "fp8-block", "scale", "F8_E8M0")})
