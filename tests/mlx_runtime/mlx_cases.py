@@ -75,8 +75,8 @@ def sources(root: Path) -> list[Case]:
     out["qwen3_moe-quark-mxfp4"] = (builders.quark_mxfp4(root / "quark-mxfp4"), "qwen3_moe")
     out["qwen3_moe-quark-nvfp4"] = (builders.quark_nvfp4(root / "quark-nvfp4"), "qwen3_moe")
     mixtral = build_moe("mixtral", root / "mixtral", seed=2)
-    for layout, path in mixtral.paths.items():
-        out[f"mixtral-{layout}"] = (path, "mixtral")
+    for layout in ("ct-mxfp4", "ct-nvfp4"):
+        out[f"mixtral-{layout}"] = (mixtral.paths[layout], "mixtral")
     out["qwen3_moe-autoround-mxfp4"] = (autoround_mxfp4(root / "autoround").path, "qwen3_moe")
     out["glm4_moe-ct-nvfp4"] = (glm45(root / "glm45").path, "glm4_moe")
     out["granitemoe-ct-mxfp4"] = (granitemoe.llmcompressor_mxfp4(root / "granite").path, "granitemoe")
