@@ -30,7 +30,8 @@ from safetensors.torch import save_file
 from mxfp4conv.cli import cli
 from tests.measured import REPORT
 from tests.serving import serving_sources as S
-from tests.serving.serving_sources import Served, top20_error
+from tests.serving.serving_sources import FORCED_NVFP4, Served, top20_error
+from tests.serving.source_reference import write_reference
 
 HERE = Path(__file__).resolve().parent
 
@@ -125,8 +126,14 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
     out.mkdir()
     cases: list[dict[str, Any]] = []
 
-    def add(name: str, model: Path, params: bool = False) -> None:
-        cases.append({"name": name, "model": str(model), "prompts": prompts, "params": params})
+    def add(name: str, model: Path, params: bool = False, source: Path | None = None) -> None:
+        """With ``source``, vLLM's loaded parameters are compared with what the source means (its
+        tensors, or source_reference.py's oracle reading of it), not with the output's own bytes."""
+        case = {"name": name, "model": str(model), "prompts": prompts, "params": params}
+        if source is not None:
+            sv.references[name] = source
+            case["compare_with"] = str(source)
+        cases.append(case)
 
     t = time.perf_counter()
     # GPT-OSS: vLLM serves the source itself (the reference), then each output
@@ -136,8 +143,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
         err = convert(gpt, out / name, target)
         if err:
             sv.convert_errors[name] = err
-        else:
-            add(name, out / name, params=True)
+        else:  # vLLM loads a GPT-OSS output into the parameters it loads the source into
+            add(name, out / name, params=True, source=gpt)
     for arch, src in moe.items():
         for layout, path in src.paths.items():
             name = f"{arch}-{layout}--quark"
@@ -145,7 +152,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
             if err:
                 sv.convert_errors[name] = err
             else:
-                add(name, out / name)
+                sv.reference_counts[name] = write_reference(path, root / "ref" / name)
+                add(name, out / name, source=root / "ref" / name)
     neg = "qwen3_moe-ct-mxfp4--quark"
     if neg not in sv.convert_errors:
         assert corrupt_expert_scales(out / neg, out / f"{neg}--scales+1") > 0
@@ -169,7 +177,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
             S.quark_dense_to_bf16(out / "deepseek_r1--quark", out / "deepseek_r1--quark--bf16-dense-w4a16")
             add("deepseek_r1--quark--bf16-dense-w4a16", out / "deepseek_r1--quark--bf16-dense-w4a16")
     sv.seconds["build+convert"] = time.perf_counter() - t
-    forced = _forced_cases(out, prompts, neg) if neg not in sv.convert_errors else []
+    forced = _forced_cases(out, prompts, neg, sv) if neg not in sv.convert_errors else []
 
     t = time.perf_counter()
     proc, stdout, stderr = _start_vllm(py, cases, root)
@@ -221,11 +229,14 @@ def _results(proc: subprocess.Popen[str], stdout: Path, tail: str) -> dict[str, 
     return {r["name"]: r for r in json.loads(line[len(MARK):])}
 
 
-def _forced_cases(out: Path, prompts: list[list[int]], neg: str) -> list[dict[str, Any]]:
-    """Cases for the forced AVX2 process: one output through the loader-only path, and the two
-    damaged copies compared with the undamaged output (the loader comparison's own negative control)."""
+def _forced_cases(out: Path, prompts: list[list[int]], neg: str, sv: Served) -> list[dict[str, Any]]:
+    """Cases for the forced AVX2 process: the outputs of an MXFP4 and of a ModelOpt NVFP4 source through
+    the loader-only path, compared with the source's reference, and the two damaged copies compared with
+    the undamaged output (the loader comparison's own negative control)."""
     good = out / neg
-    return [{"name": neg, "model": str(good), "prompts": prompts},
+    sources = [{"name": n, "model": str(out / n), "compare_with": str(sv.references[n]), "prompts": prompts}
+               for n in (neg, FORCED_NVFP4) if n in sv.references]
+    return [*sources,
             {"name": f"{neg}--scales+1", "model": str(out / f"{neg}--scales+1"), "compare_with": str(good),
              "prompts": prompts},
             {"name": f"{neg}--gate-up-swapped", "model": str(out / f"{neg}--gate-up-swapped"),

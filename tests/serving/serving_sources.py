@@ -3,8 +3,9 @@
 Sizes suit vLLM's CPU build: head_dim 32 (its CPU attention supports 32..512, not the 16 of the
 producer fixtures), hidden 128, expert intermediate 64 (multiples of 32 for MXFP4 blocks).
 
-Qwen3-MoE and Mixtral: one set of seeded float weights per architecture, written three ways:
-compressed-tensors MXFP4 W4A16 (``ct-mxfp4``), compressed-tensors NVFP4 W4A16 (``ct-nvfp4``), and
+Qwen3-MoE and Mixtral: one set of seeded float weights per architecture, written four ways:
+compressed-tensors MXFP4 W4A16 (``ct-mxfp4``), compressed-tensors NVFP4 W4A16 (``ct-nvfp4``), ModelOpt
+NVFP4 with weights only (``modelopt-nvfp4``: ``weight_scale_2`` a multiplier, no ``input_scale``), and
 kept in memory unquantized (the "bf16 original": the weights both quantized sources were made
 from). Attention, router, embeddings and lm_head are BF16 in every source. Expert weights are
 large enough (std 0.15 at H=128) that the MoE moves the logits: a wrong expert byte shows.
@@ -39,6 +40,8 @@ PROMPT_LEN = 24
 # which bf16 compute may pick the other expert: bf16 keeps 8 significant bits (0.4%), and the hidden
 # states reaching the router carry that error from every op before it.
 ROUTING_TIE = 0.03
+# the requantized case the forced AVX2 (loader-only) process also loads
+FORCED_NVFP4 = "qwen3_moe-modelopt-nvfp4--quark"
 IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*self_attn.*"]
 
 
@@ -70,7 +73,7 @@ class MoeSource:
 
     arch: str
     original: dict[str, torch.Tensor]  # float32, per-expert names of the checkpoint (unquantized)
-    paths: dict[str, Path]  # "ct-mxfp4" / "ct-nvfp4" -> folder
+    paths: dict[str, Path]  # "ct-mxfp4" / "ct-nvfp4" / "modelopt-nvfp4" -> folder
 
 
 def _expert_names(arch: str, layer: int, e: int) -> tuple[str, str, str, str]:
@@ -81,7 +84,7 @@ def _expert_names(arch: str, layer: int, e: int) -> tuple[str, str, str, str]:
 
 
 def build_moe(arch: str, root: Path, seed: int) -> MoeSource:
-    """Write ``root/<arch>-ct-mxfp4`` and ``root/<arch>-ct-nvfp4`` from one set of seeded weights."""
+    """Write ``root/<arch>-{ct-mxfp4,ct-nvfp4,modelopt-nvfp4}`` from one set of seeded weights."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape: int, std: float) -> torch.Tensor:
@@ -109,7 +112,7 @@ def build_moe(arch: str, root: Path, seed: int) -> MoeSource:
             experts[f"{m}.{down}.weight"] = rnd(H, INTER, std=0.15)
     cfg = _config(arch)
     paths: dict[str, Path] = {}
-    for layout in ("ct-mxfp4", "ct-nvfp4"):
+    for layout in ("ct-mxfp4", "ct-nvfp4", "modelopt-nvfp4"):
         out = root / f"{arch}-{layout}"
         out.mkdir(parents=True)
         t = {k: v.to(torch.bfloat16) for k, v in dense.items()}
@@ -117,23 +120,41 @@ def build_moe(arch: str, root: Path, seed: int) -> MoeSource:
             m = k.removesuffix(".weight")
             if layout == "ct-mxfp4":
                 t[f"{m}.weight_packed"], t[f"{m}.weight_scale"] = quant_mxfp4(w)
+            elif layout == "modelopt-nvfp4":  # weight_scale_2 a multiplier; no input_scale: W4A16
+                t[f"{m}.weight"], t[f"{m}.weight_scale"], t[f"{m}.weight_scale_2"] = quant_nvfp4(w, _tied(experts, m, w))
             else:
-                gate_up = m.endswith((".gate_proj", ".up_proj", ".w1", ".w3"))
-                tied = None
-                if gate_up:  # gate and up share the second-level scale, as llm-compressor writes it
-                    base, proj = m.rsplit(".", 1)
-                    partner = {"gate_proj": "up_proj", "up_proj": "gate_proj", "w1": "w3", "w3": "w1"}[proj]
-                    tied = torch.maximum(w.abs().amax(), experts[f"{base}.{partner}.weight"].abs().amax())
-                pk, sc, ws2 = quant_nvfp4(w, tied)
+                pk, sc, ws2 = quant_nvfp4(w, _tied(experts, m, w))
                 t[f"{m}.weight_packed"], t[f"{m}.weight_scale"] = pk, sc
                 t[f"{m}.weight_global_scale"] = (1.0 / ws2).reshape(1).float()
-        fmt = "mxfp4-pack-quantized" if layout == "ct-mxfp4" else "nvfp4-pack-quantized"
-        (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": _ct_qconfig(fmt, IGNORE)},
-                                                    indent=2, sort_keys=True))
+        if layout == "modelopt-nvfp4":
+            q = _modelopt_w4a16(out)
+        else:
+            q = _ct_qconfig("mxfp4-pack-quantized" if layout == "ct-mxfp4" else "nvfp4-pack-quantized", IGNORE)
+        (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": q}, indent=2, sort_keys=True))
         (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
         _save_sharded(out, t, 2)
         paths[layout] = out
     return MoeSource(arch, {**dense, **experts}, paths)
+
+
+def _tied(experts: dict[str, torch.Tensor], m: str, w: torch.Tensor) -> torch.Tensor | None:
+    """The amax of gate and up together for either of them (both producers tie their second-level
+    scales), None for down."""
+    base, proj = m.rsplit(".", 1)
+    partner = {"gate_proj": "up_proj", "up_proj": "gate_proj", "w1": "w3", "w3": "w1"}.get(proj)
+    return None if partner is None else torch.maximum(w.abs().amax(), experts[f"{base}.{partner}.weight"].abs().amax())
+
+
+def _modelopt_w4a16(out: Path) -> dict[str, object]:
+    """ModelOpt's NVFP4 config (config.json's and hf_quant_config.json), weights only: vLLM's CPU MXFP4
+    MoE backend takes W4A16, and the conversion keeps a source's activation scheme."""
+    excl = ["lm_head", "model.layers.*.mlp.gate", "model.layers.*.block_sparse_moe.gate", "model.layers.*.self_attn*"]
+    producer = {"name": "modelopt", "version": "0.47.0"}
+    (out / "hf_quant_config.json").write_text(json.dumps({"producer": producer, "quantization": {
+        "quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": excl}}, indent=2))
+    return {"config_groups": {"group_0": {"weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
+                                          "targets": ["Linear"]}},
+            "ignore": excl, "quant_algo": "NVFP4", "producer": producer, "quant_method": "modelopt"}
 
 
 def build_gpt_oss(root: Path) -> Path:
@@ -290,5 +311,7 @@ class Served:
     bf16_error: dict[str, float] = field(default_factory=dict)  # source -> E(transformers bf16, float32)
     prompts: list[list[int]] = field(default_factory=list)
     convert_errors: dict[str, str] = field(default_factory=dict)
+    references: dict[str, Path] = field(default_factory=dict)  # case -> the folder its loaded parameters must equal
+    reference_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # source_reference.write_reference's
     seconds: dict[str, float] = field(default_factory=dict)
     stderr_tail: str = ""

