@@ -27,6 +27,18 @@ def run(*args: str) -> tuple[int, str]:
     return res.exit_code, res.stderr
 
 
+def refusal(command: str, err: str) -> list[str]:
+    """convert's refusal is its whole stderr, one line; inspect prints its report, then one problem line
+    per contradicting module."""
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    if command == "inspect":
+        lines = [ln for ln in lines if ln.startswith(("error:", "problem:"))]
+        assert lines, err
+    else:
+        assert len(lines) == 1 and lines[0].startswith("error:"), err
+    return lines
+
+
 def digest(folder: Path) -> str:
     h = hashlib.sha256()
     for f in sorted(folder.rglob("*")):
@@ -77,8 +89,8 @@ def test_a_contradiction_is_refused_at_planning(ct_src: Path, tmp_path: Path, ed
     args = [argv[0], str(src)] + ([str(dst), "--device", "cpu", *argv[1:]] if argv[0] == "convert" else [])
     code, err = run(*args)
     assert code == 1, err
-    lines = [ln for ln in err.splitlines() if ln.startswith(("error:", "problem:"))]
-    assert lines and module in lines[0] and message in lines[0], err
+    lines = refusal(argv[0], err)
+    assert module in lines[0] and message in lines[0], err
     assert "report this" not in err and "Traceback" not in err
     assert not dst.exists() and not any(p.name.endswith("mxfp4conv-staging") for p in tmp_path.iterdir())
     assert digest(src) == before
@@ -112,8 +124,8 @@ def test_an_ignored_parent_module_covers_its_linear(ct_src: Path, tmp_path: Path
 def _refused(src: Path, module: str, message: str) -> None:
     for argv in (["inspect", str(src)], ["convert", str(src), str(src.parent / "out"), "--device", "cpu"]):
         code, err = run(*argv)
-        lines = [ln for ln in err.splitlines() if ln.startswith(("error:", "problem:"))]
-        assert code == 1 and lines and module in lines[0] and message in lines[0], err
+        lines = refusal(argv[0], err)
+        assert code == 1 and module in lines[0] and message in lines[0], err
     assert not (src.parent / "out").exists()
 
 

@@ -241,7 +241,9 @@ def test_ray_tasks_check_the_cached_files_they_read(server: HubServer, src: Path
     corrupt_download(server, shard)
     with ray_head(env(server, cache)) as address:
         res = cli(server, cache, "convert", REPO, str(dst), *SMALL, "--ray", address)
-        assert res.returncode == 1 and shard.name in res.stderr and "records" in res.stderr, res.stderr
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]  # the whole of stderr, not only its error line
+        assert res.returncode == 1 and len(lines) == 1 and lines[0].startswith("error:"), res.stderr
+        assert shard.name in lines[0] and "records" in lines[0], res.stderr
         assert not dst.exists()
         next((cache / "hub").rglob(f"blobs/{sha(shard)}")).write_bytes(shard.read_bytes())
         res = cli(server, cache, "convert", REPO, str(dst), *SMALL, "--ray", address, "--json")

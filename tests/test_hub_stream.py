@@ -124,8 +124,9 @@ def test_a_corrupted_byte_is_never_published(server: HubServer, repos: dict[str,
               "--device", "cpu", "--stream", "--no-verify")
     assert fault.hits == 1, "the fault never fired"
     assert got.returncode == 1, got.stderr
-    lines = [ln for ln in got.stderr.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and "corrupted" in lines[0] and shard.name in lines[0], got.stderr
+    lines = [ln for ln in got.stderr.splitlines() if ln.strip()]  # the whole of stderr, not only its error line
+    assert len(lines) == 1 and lines[0].startswith("error:"), got.stderr
+    assert "corrupted" in lines[0] and shard.name in lines[0], got.stderr
     assert "Traceback" not in got.stderr
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.mxfp4conv-staging*"))
 
@@ -222,8 +223,8 @@ def test_finish_from_the_hub_refuses_shards_of_unchecked_sources(server: HubServ
         res = CliRunner().invoke(mxfp4conv_cli, ["convert", str(src), str(dst), *SMALL, "--partition", f"{i}/2"])
         assert res.exit_code == 0, res.stderr
     got = cli(server, tmp_path / "cache", "convert", "org/modelopt-nvfp4", str(dst), *SMALL, "--stream", "--finish")
-    lines = [ln for ln in got.stderr.splitlines() if ln.startswith("error:")]
-    assert got.returncode not in (0, 3) and len(lines) == 1, got.stderr
+    lines = [ln for ln in got.stderr.splitlines() if ln.strip()]  # the whole of stderr, not only its error line
+    assert got.returncode not in (0, 3) and len(lines) == 1 and lines[0].startswith("error:"), got.stderr
     assert "not checked against the Hub's sha256" in lines[0] and "Traceback" not in got.stderr
     assert not dst.exists()
 
