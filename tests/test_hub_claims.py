@@ -1,7 +1,8 @@
 """Claims of the Hub read path that tests elsewhere could not fail on, each made falsifiable here against
 the loopback Hub (tests/hub_server.py): partitions of a ``--stream`` fetch only the source files their
-own shards read (three files, each partition a strict subset), and a token goes to the Hub's
-``/resolve/`` requests and never to the CDN host a file's download is redirected to."""
+own shards read (three files, each partition a strict subset), a token goes to the Hub's
+``/resolve/`` requests and never to the CDN host a file's download is redirected to, and --resume
+makes again the recorded shards of a source file that was never checked."""
 
 from __future__ import annotations
 
