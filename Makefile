@@ -13,7 +13,7 @@ MLX_VENV := .venv-mlx
 MLX_STAMP := $(MLX_VENV)/.installed
 DEMO := demo-out
 
-.PHONY: demo test test-slow test-gpu test-all lint fmt bench clean env env-vllm env-mlx gpu-bundle mutation
+.PHONY: demo test test-slow test-gpu test-all lint fmt bench clean env env-vllm env-mlx gpu-bundle mutation mutation-serving
 
 env: $(STAMP)
 
@@ -87,6 +87,11 @@ test-all: $(STAMP)
 # applied to a temporary copy of the package: the oracle tests must fail on every one. Not part of `make test`.
 mutation: $(STAMP)
 	$(BIN)/python tests/mutation/run.py
+
+# The same, with vLLM's serving tests (its loaded parameters against a reference made from the source) on
+# the mutations of the layouts they serve; a missing vLLM is an error, not a pass.
+mutation-serving: $(STAMP) $(VLLM_STAMP)
+	MXFP4CONV_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python tests/mutation/run.py --serving
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -8,8 +8,10 @@ every mutated copy fails them. The working tree is never modified.
 
     python tests/mutation/run.py            # every mutation (make mutation)
     python tests/mutation/run.py -k global  # those whose name contains "global"
+    python tests/mutation/run.py --serving  # vLLM's serving tests instead (make mutation-serving)
 
-Not part of ``make test``: each mutation reruns its tests (under a minute each on two cores).
+Not part of ``make test``: each mutation reruns its tests (under a minute each on two cores; the
+serving tests, which need vLLM's CPU venv, about a minute and a half).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # the tests that hold the source's reading against an independent oracle (tests/oracle.py)
 ORACLE_TESTS = ("tests/test_oracle.py", "tests/test_real_families.py::test_convert_keeps_the_values_the_source_means")
+# vLLM's loaded parameters against a reference made from the source by the oracle, on every host
+SERVING_TESTS = ("tests/serving/test_vllm_cpu.py",)
 
 
 @dataclass(frozen=True)
@@ -37,13 +41,14 @@ class Mutation:
     old: str  # must occur exactly once
     new: str
     why: str
+    serving: bool = False  # the serving tests hold a source of this layout: they must catch it too
 
 
 MUTATIONS = (
     Mutation("modelopt-global-scale-as-divisor", "mxfp4conv/layouts/modelopt_nvfp4.py",
              'global_scale="weight_scale_2", global_is_divisor=False',
              'global_scale="weight_scale_2", global_is_divisor=True',
-             "ModelOpt's weight_scale_2 is a multiplier"),
+             "ModelOpt's weight_scale_2 is a multiplier", serving=True),
     Mutation("quark-nvfp4-global-scale-as-divisor", "mxfp4conv/layouts/quark_nvfp4.py",
              'global_scale="weight_scale_2", global_is_divisor=False',
              'global_scale="weight_scale_2", global_is_divisor=True',
@@ -51,11 +56,11 @@ MUTATIONS = (
     Mutation("ct-nvfp4-global-scale-as-multiplier", "mxfp4conv/layouts/ct_nvfp4.py",
              'global_scale="weight_global_scale", global_is_divisor=True',
              'global_scale="weight_global_scale", global_is_divisor=False',
-             "compressed-tensors' weight_global_scale is a divisor"),
+             "compressed-tensors' weight_global_scale is a divisor", serving=True),
     Mutation("nvfp4-global-scale-read-as-one", "mxfp4conv/layouts/split.py",
              "global_rows = torch.cat(parts, dim=1).contiguous()",
              "global_rows = torch.ones_like(torch.cat(parts, dim=1)).contiguous()",
-             "every NVFP4 second-level scale ignored"),
+             "every NVFP4 second-level scale ignored", serving=True),
     Mutation("nvfp4-first-module-global-scale-for-all", "mxfp4conv/layouts/split.py",
              "parts.append(gs[:, None].expand(-1, n))",
              "parts.append(gs[:1, None].expand(len(mods), n))",
@@ -91,10 +96,14 @@ def _run(copy: Path, tests: tuple[str, ...]) -> tuple[int, str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-k", default="", help="run only the mutations whose name contains this")
-    ap.add_argument("--tests", nargs="+", default=list(ORACLE_TESTS), help="the tests that must catch each mutation")
+    ap.add_argument("--tests", nargs="+", default=None, help="the tests that must catch each mutation")
+    ap.add_argument("--serving", action="store_true",
+                    help="the serving tests (vLLM's CPU venv) on the mutations of the layouts they serve")
     args = ap.parse_args(argv)
-    tests = tuple(args.tests)
-    chosen = [m for m in MUTATIONS if args.k in m.name]
+    tests = tuple(args.tests or (SERVING_TESTS if args.serving else ORACLE_TESTS))
+    chosen = [m for m in MUTATIONS if args.k in m.name and (m.serving or not args.serving)]
+    if args.serving:  # without vLLM the serving tests skip, which would read as "survived"
+        os.environ.setdefault("MXFP4CONV_REQUIRE_VLLM", "1")
     with tempfile.TemporaryDirectory(prefix="mxfp4conv-mutation-") as tmp:
         base = Path(tmp) / "base"
         _copy(base)

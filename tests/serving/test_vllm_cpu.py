@@ -14,6 +14,11 @@ none for compressed-tensors MXFP4 MoE). Cases, all with BF16 attention:
   the bytes vLLM loads are the requantized source and nothing else; (b) served vs the NVFP4 source:
   no further than ONE direct MXFP4 quantization of the same bf16 original weights moves the model
   (both quantized sources were made from one set of float weights), plus the bf16 compute bound.
+* The same models from ModelOpt NVFP4 W4A16 sources (``weight_scale_2`` a multiplier) -> ``--to quark``:
+  the loaded expert parameters are the oracle's float64 requantization of the source, bit for bit.
+* Each conversion's loaded parameters are compared with a reference made from the SOURCE
+  (source_reference.py, tests/oracle.py), not with the output's bytes: on a host without the forward
+  pass, that comparison is what checks the numbers.
 * GPT-OSS native MXFP4 (examples/tiny.py) -> ``--to gpt-oss``: vLLM serves the source itself, so
   the reference is vLLM's own serving of the source: the same logprobs and the same parameters
   (``LLM.apply_model`` digests); also within bf16 error of the float32 transformers reference.
