@@ -236,11 +236,18 @@ def _proof(f: CardFacts) -> list[str]:
             "Every byte was proven before this output appeared: each tensor byte of every shard was read back "
             "after it was written and compared with the source, ranges carried unchanged byte for byte, every "
             f"other unit decoded with the layout's own decoder and compared bit for bit with {copied}; the "
-            "shard headers hold exactly the planned tensors, and the config was resolved with the runtime's own "
-            "matching rules to the precision the source gave each module. So a runtime loads exactly the "
+            f"shard headers hold exactly the planned tensors{_config_proof(f)}. So a runtime loads exactly the "
             f"source's weights{', as requantized above' if f.requantized else ''}: no layout error (a swapped "
             "gate and up, a wrong nibble order, a misnamed expert) can hide in it. `mxfp4conv verify SRC DST` "
             "proves it again; `mxfp4conv.json` lists the sha256 of every file."]
+
+
+def _config_proof(f: CardFacts) -> str:
+    """What the proof says of the config: MLX's config names no per-module schemes to resolve."""
+    if f.target == "mlx":
+        return ", and mlx-lm quantizes exactly the modules whose scales the shards hold"
+    return (", and the config was resolved with the runtime's own matching rules to the precision the source "
+            "gave each module")
 
 
 def _run(f: CardFacts, use: _Use) -> list[str]:
