@@ -19,12 +19,12 @@ from typing import Any
 
 from mxfp4conv.errors import InputError
 from mxfp4conv.io import hub, hub_cache
+from mxfp4conv.io.hub_cache import PICKLE_SUFFIXES
 from mxfp4conv.io.safetensors_io import TensorRef, load_json, parse_header, read_header
 
 __all__ = ["PICKLE_SUFFIXES", "Checkpoint", "open_checkpoint"]
 
 INDEX_NAME = "model.safetensors.index.json"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 

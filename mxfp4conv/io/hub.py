@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PosixPath
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 from urllib.parse import urlsplit
 
 from mxfp4conv.errors import InputError, UsageError
@@ -107,6 +107,10 @@ class RemoteRepo:
     _early: tuple[list[str], OrderedFetch] | None = field(default=None, repr=False)  # ``prefetch``'s
     _count: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards ``fetched``
     _small: set[str] = field(default_factory=set, repr=False)  # small files whose digest matched
+    # the bytes arrive at a link's rate, far below a disk's: the conversion reads one shard at a time and
+    # converts a MoE layer in groups of experts as their bytes arrive (conversion.py)
+    paced: ClassVar[bool] = True
+    read_from: ClassVar[str] = "hub"  # where the bytes come from: "hub" (by range) or "cache" (io/hub_cache.py)
 
     @property
     def root(self) -> HubPath:
@@ -128,24 +132,13 @@ class RemoteRepo:
         return self.checked_small(name, got)
 
     @property
-    def paced(self) -> bool:
-        """The bytes arrive at a link's rate, far below a disk's: the conversion reads one shard at a time
-        and converts a MoE layer in groups of experts as their bytes arrive (conversion.py)."""
-        return True
-
-    @property
-    def read_from(self) -> str:
-        """Where the files' bytes come from: "hub" (by range) or "cache" (huggingface_hub's, io/hub_cache.py)."""
-        return "hub"
-
-    @property
     def checked_against(self) -> str:
         """Whose record of the files' digests they are checked against: "hub" or "cache"."""
         return "hub"
 
     @property
     def recorded_by(self) -> str:
-        return "the Hub"
+        return "the Hub" if self.checked_against == "hub" else "huggingface_hub's cache"
 
     @property
     def mismatch_hint(self) -> str:

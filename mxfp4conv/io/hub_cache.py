@@ -17,15 +17,17 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from mxfp4conv.errors import InputError
 from mxfp4conv.io.hub import HubFile, RemoteRepo, offline, open_repo, retrying
 from mxfp4conv.io.source import preadv_full
 
-__all__ = ["SKIPPED", "CachedRepo", "cached_repo"]
+__all__ = ["PICKLE_SUFFIXES", "SKIPPED", "CachedRepo", "cached_repo"]
 
 # what a local copy of the repo holds: top-level files, no pickle weights (never unpickled)
-SKIPPED = ["*/*", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle"]
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+SKIPPED = ["*/*", *(f"*{s}" for s in PICKLE_SUFFIXES)]
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _GIT_OID = re.compile(r"^[0-9a-f]{40}$")
 
@@ -37,22 +39,12 @@ class CachedRepo(RemoteRepo):
 
     folder: Path = field(default_factory=Path)
     reference: str = "hub"
-
-    @property
-    def paced(self) -> bool:
-        return False  # a local disk: whole units, several shards at once, as for a local folder
-
-    @property
-    def read_from(self) -> str:
-        return "cache"
+    paced: ClassVar[bool] = False  # a local disk: whole units, several shards at once, as for a local folder
+    read_from: ClassVar[str] = "cache"
 
     @property
     def checked_against(self) -> str:
         return self.reference
-
-    @property
-    def recorded_by(self) -> str:
-        return "the Hub" if self.reference == "hub" else "huggingface_hub's cache"
 
     @property
     def mismatch_hint(self) -> str:
