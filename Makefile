@@ -11,15 +11,23 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # so that mlx-lm's transformers and tokenizers pins never move the project's. No torch.
 MLX_VENV := .venv-mlx
 MLX_STAMP := $(MLX_VENV)/.installed
+# llama.cpp (test-only: the tests/gguf_runtime suite runs --to gguf outputs with it), built from the pinned
+# llama-cpp-python sdist with the system compiler (about 5 minutes on 2 cores; pip keeps the built wheel, so
+# a rebuilt venv installs in seconds). Only the library is built: no server, tools, examples or tests.
+LLAMA_VENV := .venv-llama
+LLAMA_STAMP := $(LLAMA_VENV)/.installed
+LLAMA_CMAKE_ARGS := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
 DEMO := demo-out
 
-.PHONY: demo test test-slow test-gpu test-all lint fmt bench clean env env-vllm env-mlx gpu-bundle mutation mutation-serving
+.PHONY: demo test test-slow test-gpu test-all lint fmt bench clean env env-vllm env-mlx env-llama gpu-bundle mutation mutation-serving
 
 env: $(STAMP)
 
 env-vllm: $(VLLM_STAMP)
 
 env-mlx: $(MLX_STAMP)
+
+env-llama: $(LLAMA_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -45,6 +53,13 @@ $(MLX_STAMP):
 	$(MLX_VENV)/bin/python -m pip install -q "mlx==0.32.4" "mlx-cpu==0.32.4" "mlx-lm==0.32.2"
 	touch $(MLX_STAMP)
 
+$(LLAMA_STAMP):
+	test -x $(LLAMA_VENV)/bin/python || $(PY) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/python -m pip install -q --upgrade pip
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" \
+	  $(LLAMA_VENV)/bin/python -m pip install -q "llama-cpp-python==0.3.36" "gguf==0.19.0"
+	touch $(LLAMA_STAMP)
+
 demo: $(STAMP)
 	rm -rf $(DEMO)
 	$(BIN)/python examples/tiny.py $(DEMO)/src
@@ -58,11 +73,11 @@ demo: $(STAMP)
 	$(BIN)/mxfp4conv verify $(DEMO)/src/gpt-oss $(DEMO)/gpt-oss-marlin --device cpu
 	@echo "demo ok: outputs in $(DEMO)/"
 
-test: $(STAMP) $(VLLM_STAMP) $(MLX_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(MLX_STAMP) $(LLAMA_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	MXFP4CONV_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python MXFP4CONV_MLX_PYTHON=$(abspath $(MLX_VENV))/bin/python \
-	  MXFP4CONV_REQUIRE_MLX=1 $(BIN)/python -m pytest -q -m "not slow and not gpu"
+	  MXFP4CONV_LLAMA_PYTHON=$(abspath $(LLAMA_VENV))/bin/python MXFP4CONV_REQUIRE_MLX=1 MXFP4CONV_REQUIRE_LLAMA=1 $(BIN)/python -m pytest -q -m "not slow and not gpu"
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

@@ -38,7 +38,7 @@ from mxfp4conv.errors import VerificationFailed
 from mxfp4conv.io.pinned import StagePool
 from mxfp4conv.io.safetensors_io import CheckRange, FileSlice, torch_dtype
 from mxfp4conv.plan import PlannedUnit, direct_runs
-from mxfp4conv.verify import MAX_SHOWN, first_range_difference, planned_mismatches, prove_unit
+from mxfp4conv.verify import MAX_SHOWN, first_range_difference, open_output, planned_mismatches, prove_unit
 from mxfp4conv.writers.base import OutTensor, Target, UnitSpec, WriterContext
 
 __all__ = ["GROUP_BYTES", "InlineVerifier"]
@@ -77,6 +77,8 @@ class InlineVerifier:
     def copied(self, outs: list[OutTensor], slices: list[FileSlice], shard: Path, nbytes: int) -> CheckRange:
         """The check of a lossless unit: every written byte against its source range."""
 
+        pad = self.target.CONTAINER.pad
+
         def run(fd: int, begin: int, end: int) -> None:
             found = []
             pos = begin
@@ -89,7 +91,7 @@ class InlineVerifier:
                         found.append({"tensor": o.name, "message": "bytes differ from the source, first at byte "
                                                                    f"{pos - s.length - start + at}"})
                         break
-                pos = start + o.nbytes
+                pos = start + o.nbytes + pad(o.nbytes)
             if pos != end:
                 found.append({"tensor": outs[0].name if outs else "?", "message": "unit bytes misplaced in the shard"})
             self._done(len(outs), found, shard)
@@ -107,7 +109,7 @@ class InlineVerifier:
             pos = begin
             for o in outs:
                 where[o.name] = (pos, o)
-                pos += o.nbytes
+                pos += o.nbytes + self.target.CONTAINER.pad(o.nbytes)
             if pos != end:
                 self._done(len(outs), [{"tensor": spec.key, "message": "unit bytes misplaced in the shard"}], shard, units)
             found: list[dict[str, Any]] = []
@@ -136,12 +138,10 @@ class InlineVerifier:
 
 def check_structure(verifier: InlineVerifier, job: Job, staging: Path) -> None:
     """The written headers hold exactly the planned tensors, dtypes and shapes (every rank folder)."""
-    from mxfp4conv.io.checkpoint import open_checkpoint
-
     found: list[dict[str, Any]] = []
     for rank in job.output.ranks:
-        out = open_checkpoint(staging / rank.folder if rank.folder else staging)
-        found += planned_mismatches(out, rank)
+        out = open_output(staging / rank.folder if rank.folder else staging, job.target)
+        found += planned_mismatches(out, rank, job.target)
     if found:
         verifier.mismatches.extend(found[:MAX_SHOWN])
         first = found[0]

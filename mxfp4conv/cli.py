@@ -150,7 +150,7 @@ def _render_inspect(doc: dict[str, Any]) -> None:
 @click.argument("src")
 @click.argument("dst")
 @click.option("--to", "target", default="auto", show_default=True,
-              type=click.Choice(["auto", "ct", "quark", "gpt-oss", "marlin", "mlx"]), help="Output layout.")
+              type=click.Choice(["auto", "ct", "quark", "gpt-oss", "marlin", "mlx", "gguf"]), help="Output layout.")
 @click.option("--scale-rule", default="mse", show_default=True, type=click.Choice(["mse", "even", "floor", "rceil"]),
               help="E8M0 scale rule for NVFP4 -> MXFP4 requantization.")
 @click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | cuda:N (same bytes on all).")
@@ -160,7 +160,7 @@ def _render_inspect(doc: dict[str, Any]) -> None:
 @click.option("--engine", default="vllm", show_default=True, type=click.Choice(["vllm", "sglang"]), help="Marlin: target engine.")
 @click.option("--marlin-act", default="bf16", show_default=True, type=click.Choice(["bf16", "fp8"]),
               help="Marlin: activation type of the kernel (fp8 = vLLM's W4A8 MXFP4 tiling).")
-@click.option("--keep-nvfp4", is_flag=True, help="Marlin: keep NVFP4 sources as NVFP4 (no requantization; refused for mlx).")
+@click.option("--keep-nvfp4", is_flag=True, help="Marlin: keep NVFP4 sources as NVFP4 (no requantization; refused for mlx and gguf).")
 @click.option("--revision", default=None, help="Hugging Face revision (for a repo id SRC).")
 @click.option("--stream", is_flag=True,
               help="A repo id SRC: read its shards by range instead of downloading them (no local copy; each "

@@ -36,6 +36,7 @@ from mxfp4conv.plan import PlannedShard, PlannedUnit, RankPlan, direct_runs, exp
 from mxfp4conv.staging import SHARD_WINDOW, ShardFinisher, json_bytes, progress_file, reuse, sha256_file
 from mxfp4conv.units import UnitResult, unit_results
 from mxfp4conv.writers import WriterContext
+from mxfp4conv.writers.base import Split
 
 __all__ = ["Conversion", "Progress", "ShardDone", "arrival_order", "extra_files", "interleave", "windows"]
 
@@ -313,16 +314,22 @@ class Conversion:
                   if n in ckpt.tensors}
         return sorted(repo.name_of(f) for f in files)
 
+    def _split(self, shard: PlannedShard) -> Split:
+        """Which file of its rank's output ``shard`` is."""
+        rank = next(r for r in self.job.output.ranks if r.folder == shard.folder)
+        return Split(rank.shards.index(shard), len(rank.shards), sum(len(s.tensors) for s in rank.shards))
+
     def _finish_rank(self, rank: RankPlan, out_dir: Path) -> None:
-        """The rank's index, config and the source's other files; every file's sha256."""
+        """The rank's index, config and the source's other files (a Hugging Face folder); every file's sha256."""
         job = self.job
-        if len(rank.shards) > 1 or job.target.ALWAYS_INDEX:
-            index = {"metadata": {"total_size": rank.nbytes}, "weight_map": dict(sorted(rank.weight_map().items()))}
-            (out_dir / "model.safetensors.index.json").write_bytes(json_bytes(index))
-        (out_dir / "config.json").write_bytes(json_bytes(job.target.config(job.ckpt.config, rank.ctx)))
-        # hf_quant_config.json describes NVFP4 layers: kept only where they stay NVFP4 (--keep-nvfp4)
-        keep_hqc = rank.ctx.target_options.keep_nvfp4 and "hf_quant_config.json" in job.layout.CONFIG_FILES
-        _copy_extras(job.ckpt, out_dir, drop_hqc=not keep_hqc)
+        if job.target.HF_FOLDER:
+            if len(rank.shards) > 1 or job.target.ALWAYS_INDEX:
+                index = {"metadata": {"total_size": rank.nbytes}, "weight_map": dict(sorted(rank.weight_map().items()))}
+                (out_dir / "model.safetensors.index.json").write_bytes(json_bytes(index))
+            (out_dir / "config.json").write_bytes(json_bytes(job.target.config(job.ckpt.config, rank.ctx)))
+            # hf_quant_config.json describes NVFP4 layers: kept only where they stay NVFP4 (--keep-nvfp4)
+            keep_hqc = rank.ctx.target_options.keep_nvfp4 and "hf_quant_config.json" in job.layout.CONFIG_FILES
+            _copy_extras(job.ckpt, out_dir, drop_hqc=not keep_hqc)
         for p in sorted(out_dir.iterdir()):
             rel = f"{rank.folder}/{p.name}" if rank.folder else p.name
             if p.is_file() and rel not in self.outputs and not p.name.startswith(".mxfp4conv-progress"):
@@ -338,8 +345,9 @@ class Conversion:
                 remove_tree(path)
                 if self.job.ckpt.remote is not None:
                     self.fin.sources[shard.rel] = self._sources(shard)
+                target = self.job.target
                 stream = ShardStream(path, [(t.name, t.dtype, t.shape) for t in shard.tensors],
-                                     self.job.target.shard_metadata(ctx), self.fin.budget)
+                                     target.shard_metadata(ctx, self._split(shard)), self.fin.budget, target.CONTAINER)
                 opened.append(_OpenShard(shard, path, stream))
             at, count = [], [0] * len(todo)  # the index of each one's first tensor in its shard
             for i, unit, _ in made:

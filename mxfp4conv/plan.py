@@ -200,7 +200,7 @@ def expert_groups(unit: PlannedUnit, ckpt: Checkpoint, layout: Layout, target: T
     return tuple(groups) if whole else (unit,)
 
 
-def _shards(units: list[PlannedUnit], max_bytes: int, folder: str) -> tuple[PlannedShard, ...]:
+def _shards(units: list[PlannedUnit], max_bytes: int, folder: str, target: Target) -> tuple[PlannedShard, ...]:
     """Whole units per shard, in plan order; a new shard starts when the next unit would overflow."""
     groups: list[list[PlannedUnit]] = []
     size = 0
@@ -210,9 +210,8 @@ def _shards(units: list[PlannedUnit], max_bytes: int, folder: str) -> tuple[Plan
             size = 0
         groups[-1].append(u)
         size += u.nbytes
-    n = len(groups)
-    return tuple(PlannedShard(folder, "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors",
-                              tuple(g), sum(u.nbytes for u in g)) for i, g in enumerate(groups))
+    names = target.shard_names(len(groups))
+    return tuple(PlannedShard(folder, names[i], tuple(g), sum(u.nbytes for u in g)) for i, g in enumerate(groups))
 
 
 def plan_conversion(plan: Plan, ckpt: Checkpoint, target: Target, ctx: WriterContext, max_bytes: int) -> ConversionPlan:
@@ -223,5 +222,5 @@ def plan_conversion(plan: Plan, ckpt: Checkpoint, target: Target, ctx: WriterCon
         rctx = ctx.for_rank(r)
         folder = target.rank_folder(r, rctx)
         units = [_unit(spec, ckpt, target, rctx) for spec in plan.units]
-        ranks.append(RankPlan(r, folder, rctx, _shards(units, max_bytes, folder)))
+        ranks.append(RankPlan(r, folder, rctx, _shards(units, max_bytes, folder, target)))
     return ConversionPlan(tuple(ranks))

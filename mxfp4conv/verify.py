@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from mxfp4conv.writers import Target, WriterContext
     from mxfp4conv.writers.base import UnitSpec
 
-__all__ = ["VerifyReport", "compare_units", "first_difference", "first_parts_difference", "first_range_difference", "planned_mismatches",
+__all__ = ["VerifyReport", "compare_units", "first_difference", "first_parts_difference", "first_range_difference", "open_output", "planned_mismatches",
            "prove_unit", "verify_output"]
 
 MAX_SHOWN = 5
@@ -186,12 +186,27 @@ def prove_unit(target: Target, want: Canonical, spec: UnitSpec, rctx: WriterCont
     return found if found is not None else compare_units(want, target.decode(spec, rctx, get))
 
 
-def planned_mismatches(out: Checkpoint, rank: RankPlan) -> list[dict[str, Any]]:
+def open_output(folder: Path, target: Target) -> Checkpoint:
+    """A rank's output folder, read as the target wrote it (safetensors shards, or GGUF files)."""
+    if target.HF_FOLDER:
+        return open_checkpoint(folder)
+    from mxfp4conv.io.gguf_io import open_gguf
+
+    return open_gguf(folder)
+
+
+def planned_mismatches(out: Checkpoint, rank: RankPlan, target: Target) -> list[dict[str, Any]]:
     """How an output folder differs from the rank's plan: unexpected, missing, other dtype or shape of a
-    tensor, and any module its config.json would make the runtime build otherwise than the source meant it."""
+    tensor, and any module its config.json would make the runtime build otherwise than the source meant it
+    (a GGUF's metadata: anything but what the target writes)."""
     from mxfp4conv.resolve import config_proof
 
-    found: list[dict[str, Any]] = list(config_proof(out.config, rank.ctx))
+    if target.HF_FOLDER:
+        found: list[dict[str, Any]] = list(config_proof(out.config, rank.ctx))
+    else:
+        want = target.config(dict(rank.ctx.src_config), rank.ctx)
+        found = [{"tensor": k, "message": f"metadata {k} is {out.config.get(k)!r}, expected {v!r}"}
+                 for k, v in want.items() if out.config.get(k) != v][:MAX_SHOWN]
     planned = {t.name: t for s in rank.shards for t in s.tensors}
     for name in sorted(set(out.tensors) - set(planned))[:MAX_SHOWN]:
         found.append({"tensor": name, "message": "unexpected tensor in output"})
@@ -234,8 +249,8 @@ def verify_output(src: str | Path, dst: str | Path, *, manifest_opts: ConvertOpt
     cpu_kernel(opts.device, needs_device(ctx))  # a bad MXFP4CONV_CPU_KERNEL fails here, in one line
     report = VerifyReport(str(src), str(dst), target.NAME)
     for rank in job.output.ranks:
-        out = open_checkpoint(dst / rank.folder if rank.folder else dst)
-        report.mismatches += planned_mismatches(out, rank)
+        out = open_output(dst / rank.folder if rank.folder else dst, target)
+        report.mismatches += planned_mismatches(out, rank, target)
         if report.mismatches:
             break
         rctx = rank.ctx

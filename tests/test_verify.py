@@ -50,7 +50,7 @@ def test_an_output_folder_is_checked_against_the_plan(converted: tuple[Path, Pat
     src, out = converted
     job = prepare(src, ConvertOptions(target="ct"))
     rank = job.output.ranks[0]
-    assert planned_mismatches(open_checkpoint(out), rank) == []
+    assert planned_mismatches(open_checkpoint(out), rank, job.target) == []
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
     t = load_file(str(bad / "model.safetensors"))
@@ -58,5 +58,5 @@ def test_an_output_folder_is_checked_against_the_plan(converted: tuple[Path, Pat
     del t[gone]
     t["model.extra.weight"] = torch.zeros(2, dtype=torch.bfloat16)
     save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    found = {(m["tensor"], m["message"]) for m in planned_mismatches(open_checkpoint(bad), rank)}
+    found = {(m["tensor"], m["message"]) for m in planned_mismatches(open_checkpoint(bad), rank, job.target)}
     assert (gone, "missing from output") in found and ("model.extra.weight", "unexpected tensor in output") in found

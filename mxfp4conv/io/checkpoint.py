@@ -43,6 +43,21 @@ class Checkpoint:
     # a repo read remotely (inspect): the files' sizes and sha256 as the Hub lists them
     remote: hub.RemoteRepo | None = field(default=None, repr=False, compare=False)
     _rel: dict[Path, str] = field(default_factory=dict, repr=False, compare=False)
+    _extra: dict[str, bytes | None] = field(default_factory=dict, repr=False, compare=False)
+
+    def read_extra(self, name: str) -> bytes | None:
+        """A small top-level file of the checkpoint (tokenizer files) by name, None when it has none; a Hub
+        repo's is downloaded (checked as every file is)."""
+        if name not in self._extra:
+            got: bytes | None = None
+            if "/" in name or name.startswith("."):
+                pass
+            elif self.remote is not None:
+                got = Path(self.remote.download(name)).read_bytes() if name in self.remote.files else None
+            elif (self.root / name).is_file():
+                got = (self.root / name).read_bytes()
+            self._extra[name] = got
+        return self._extra[name]
 
     @property
     def total_bytes(self) -> int:

@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +45,9 @@ __all__ = [  # and DTYPES, built lazily by the module __getattr__
     "ITEMSIZE",
     "MAX_HEADER_BYTES",
     "MAX_JSON_BYTES",
+    "SAFETENSORS",
     "CheckRange",
+    "Container",
     "FileSlice",
     "InflightBudget",
     "ShardStream",
@@ -543,6 +545,29 @@ def _header_bytes(entries: list[tuple[str, str, tuple[int, ...], int]],
     return len(raw).to_bytes(8, "little") + raw
 
 
+class Container(Protocol):
+    """The file format ``ShardStream`` writes: its header, and the padding after each tensor's bytes."""
+
+    def header(self, sized: list[tuple[str, str, tuple[int, ...], int]], metadata: Any) -> bytes: ...
+
+    def pad(self, nbytes: int) -> int:
+        """Zero bytes written after a tensor of ``nbytes`` (each tensor's data starts aligned)."""
+        ...
+
+
+class _Safetensors:
+    @staticmethod
+    def header(sized: list[tuple[str, str, tuple[int, ...], int]], metadata: Any) -> bytes:
+        return _header_bytes(sized, metadata)
+
+    @staticmethod
+    def pad(nbytes: int) -> int:
+        return 0
+
+
+SAFETENSORS: Container = _Safetensors()
+
+
 class InflightBudget:
     """Bytes queued for writing, shared by the shards being written at once (shards still finishing
     their hash while the next one is produced): the producer waits while the total
@@ -570,8 +595,11 @@ class ShardStream:
     which the writer thread copies back a few MB at a time (``device_write``; no host budget held)."""
 
     def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None, budget: InflightBudget | None = None) -> None:
+                 metadata: Any = None, budget: InflightBudget | None = None,
+                 container: Container | None = None) -> None:
+        container = container or SAFETENSORS
         self._sized = [(n, d, s, math.prod(s) * ITEMSIZE[d]) for n, d, s in entries]
+        self._pads = [container.pad(s[3]) for s in self._sized]  # zero bytes after each tensor (GGUF alignment)
         self._writer = _BackgroundWriter(path, budget or InflightBudget())
         # Consecutive byte-range copies travel together, and so do consecutive computed buffers (one
         # hand-off, one writev and one read-back per batch: a ct output has ~800 tensors per MoE layer).
@@ -581,13 +609,14 @@ class ShardStream:
         self._dev: list[torch.Tensor] = []  # consecutive tensors on a GPU: written through device_write
         self._count = 0
         try:
-            head = _header_bytes(self._sized, metadata)
+            head = container.header(self._sized, metadata)
             self._writer.put(head)
         except BaseException:
             self._writer.abort()
             raise
         self._pos = self._checked = len(head)  # file offset of the next byte; end of the last checked range
-        self._starts = list(itertools.accumulate((s[3] for s in self._sized), initial=len(head)))  # tensor offsets
+        self._starts = list(itertools.accumulate((s[3] + p for s, p in zip(self._sized, self._pads, strict=True)),
+                                                 initial=len(head)))  # tensor offsets
         self._ahead: dict[int, tuple[int, int]] = {}  # written ahead: first tensor -> (tensors, end offset)
 
     def _flush(self) -> None:
@@ -626,7 +655,15 @@ class ShardStream:
             return
         if self._count >= len(self._sized):
             raise AssertionError(f"planned {len(self._sized)} tensors, produced more")
-        name, dtype, shape, nbytes = self._sized[self._count]
+        pad = self._pads[self._count]
+        self._feed_tensor(item, *self._sized[self._count])
+        if pad:
+            self._put_device()
+            self._feed_bytes(b"\0" * pad)
+
+    def _feed_tensor(self, item: bytes | torch.Tensor | FileSlice | tuple[FileSlice, ...], name: str, dtype: str,
+                     shape: tuple[int, ...], nbytes: int) -> None:
+        w = self._writer
         self._count += 1
         if isinstance(item, tuple):  # a tensor stacked from several source tensors (--to mlx experts)
             if (size := sum(s.length for s in item)) != nbytes:
@@ -656,6 +693,11 @@ class ShardStream:
         if isinstance(raw, FileSlice):
             self._slice(raw)
             return
+        self._feed_bytes(raw)
+
+    def _feed_bytes(self, raw: bytes | memoryview) -> None:
+        w = self._writer
+        size = len(raw)
         self._pos += size
         if self._slices:
             w.put(tuple(self._slices))
@@ -691,6 +733,8 @@ class ShardStream:
             if len(raw) != nbytes:
                 raise AssertionError(f"{name}: produced {len(raw)} bytes, planned {nbytes} ({dtype}{list(shape)})")
             bufs.append(raw)
+            if pad := self._pads[index + k]:
+                bufs.append(b"\0" * pad)
         end = self._starts[index + len(tensors)]
         self._writer.put_ahead(_Ahead(bufs, self._starts[index], end, check))
         self._ahead[index] = (len(tensors), end)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from mxfp4conv.errors import UsageError
 from mxfp4conv.writers.base import OutTensor, Target, WriterContext
 from mxfp4conv.writers.ct import CtTarget
+from mxfp4conv.writers.gguf import GgufTarget
 from mxfp4conv.writers.gpt_oss import GptOssTarget
 from mxfp4conv.writers.mlx import MlxTarget
 from mxfp4conv.writers.quark import QuarkTarget
@@ -16,6 +17,7 @@ TARGETS: dict[str, type[Target]] = {
     QuarkTarget.NAME: QuarkTarget,
     GptOssTarget.NAME: GptOssTarget,
     MlxTarget.NAME: MlxTarget,
+    GgufTarget.NAME: GgufTarget,
 }
 try:  # the Marlin writer is optional at import time so a broken build of it never hides the others
     from mxfp4conv.writers.marlin import MarlinTarget

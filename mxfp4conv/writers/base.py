@@ -12,18 +12,30 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import torch
 
 from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, ModelFacts, MoELayer, Passthrough, UnitSpec
-from mxfp4conv.io.safetensors_io import ITEMSIZE
+from mxfp4conv.io.safetensors_io import ITEMSIZE, SAFETENSORS, Container
 from mxfp4conv.precision import PrecisionModel
 
-__all__ = ["OutTensor", "SplitTarget", "Target", "TargetOptions", "WriterContext", "split_names"]
+__all__ = ["OutTensor", "Split", "SplitTarget", "Target", "TargetOptions", "WriterContext", "split_names"]
 
 Getter = Callable[[str], "torch.Tensor"]
+
+
+def _no_file(name: str) -> bytes | None:
+    return None
+
+
+class Split(NamedTuple):
+    """Which file of a rank's output a shard is: ``at`` (from 0) of ``files``, ``tensors`` in all of them."""
+
+    at: int
+    files: int
+    tensors: int
 
 
 class OutTensor(NamedTuple):
@@ -77,6 +89,9 @@ class WriterContext:
     passthrough_dtypes: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
     target_options: TargetOptions = field(default_factory=TargetOptions)
     precision: PrecisionModel = field(default_factory=PrecisionModel)
+    src_config: Mapping[str, Any] = field(default_factory=dict)  # SRC's config.json
+    # SRC's other top-level files by name (tokenizer files, for targets that embed them), None when absent
+    read_file: Callable[[str], bytes | None] = _no_file
 
     def for_rank(self, rank: int) -> WriterContext:
         """This context for tensor-parallel rank ``rank``."""
@@ -98,6 +113,10 @@ class Target:
     EXPERT_MAJOR = False
     # model.safetensors.index.json is written for one shard too (mlx-lm's save_model always writes it)
     ALWAYS_INDEX = False
+    # the shards' file format (safetensors, or GGUF's container)
+    CONTAINER: Container = SAFETENSORS
+    # a Hugging Face folder: config.json, the index and SRC's other files beside the shards
+    HF_FOLDER = True
 
     def refuse(self, ctx: WriterContext) -> str | None:
         """Why this (source, target) pair makes no sense, or None."""
@@ -110,8 +129,15 @@ class Target:
     def rank_folder(self, rank: int, ctx: WriterContext) -> str:
         return ""
 
-    def shard_metadata(self, ctx: WriterContext) -> dict[str, str]:
+    def shard_metadata(self, ctx: WriterContext, split: Split | None = None) -> Any:
+        """What the container's header holds besides the tensors (safetensors' ``__metadata__``)."""
         return {"format": "pt"}
+
+    def shard_names(self, count: int) -> list[str]:
+        """The files of a rank's output of ``count`` shards."""
+        if count == 1:
+            return ["model.safetensors"]
+        return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
     def direct_sources(self, spec: UnitSpec, ctx: WriterContext) -> list[str] | None:
         """For each output tensor (``out_specs`` order), the source tensor holding exactly its bytes,

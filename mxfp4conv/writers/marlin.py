@@ -23,7 +23,7 @@ from mxfp4conv.formats.marlin_shapes import check_marlin_shape, gptoss_marlin_pa
 from mxfp4conv.layouts.gpt_oss import deinterleave_rows, interleave_rows
 from mxfp4conv.writers import ct as ct_writer
 from mxfp4conv.writers import gpt_oss as gpt_oss_writer
-from mxfp4conv.writers.base import Getter, OutTensor, Target, WriterContext
+from mxfp4conv.writers.base import Getter, OutTensor, Split, Target, WriterContext
 
 if TYPE_CHECKING:  # torch and the Marlin numerics load on first use: plans and inspect need neither
     import torch
@@ -130,7 +130,7 @@ class MarlinTarget(Target):
     def rank_folder(self, rank: int, ctx: WriterContext) -> str:
         return f"rank-{rank}"
 
-    def shard_metadata(self, ctx: WriterContext) -> dict[str, str]:
+    def shard_metadata(self, ctx: WriterContext, split: Split | None = None) -> dict[str, str]:
         tp, rank, engine, keep = _opts(ctx)
         f = ctx.facts
         return {

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch
 
 from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, MoELayer, UnitSpec
-from mxfp4conv.writers.base import Getter, OutTensor, Target, WriterContext, split_direct_sources
+from mxfp4conv.writers.base import Getter, OutTensor, Split, Target, WriterContext, split_direct_sources
 from mxfp4conv.writers.layers import precision_refusal
 
 __all__ = ["ARCHITECTURES", "QUANTIZATION", "MlxTarget", "mlx_config", "switch_prefix"]
@@ -115,7 +115,7 @@ class MlxTarget(Target):
         layer = _LAYER.match(spec.key)
         return ctx.facts.model_type in _NO_MTP and layer is not None and int(layer[1]) >= ctx.facts.num_layers
 
-    def shard_metadata(self, ctx: WriterContext) -> dict[str, str]:
+    def shard_metadata(self, ctx: WriterContext, split: Split | None = None) -> dict[str, str]:
         return {"format": "mlx"}  # what mlx.core.save_safetensors records
 
     def direct_sources(self, spec: UnitSpec, ctx: WriterContext) -> list[str] | None:

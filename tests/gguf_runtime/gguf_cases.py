@@ -1,0 +1,237 @@
+"""Sources, ``--to gguf`` outputs and what llama.cpp must compute from them (project venv side).
+
+For each case: a tiny source checkpoint with a byte-level BPE tokenizer (llama.cpp loads a vocabulary
+from the GGUF), its ``--to gguf`` output, and the float32 references of its logits, made from the source
+by the test's own reading (``tests/oracle.py``: numpy, no mxfp4conv code) and transformers' float32 model
+of the architecture:
+
+* ``reference``: the model as the source defines it (NVFP4 values not requantized);
+* ``reference_written``: the model with the values the output must hold (the source's for MXFP4, the
+  oracle's MSE requantization for NVFP4), which is what llama.cpp computes with.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from click.testing import CliRunner
+
+from mxfp4conv.cli import cli
+from tests import builders, oracle
+from tests.producers.producers_lib import load_tensors
+
+PROMPT = [int(x) for x in np.random.default_rng(20261206).integers(3, 250, 16)]
+_EXPERT = re.compile(r"^(?P<c>.+)\.experts\.(?P<e>\d+)\.(?P<p>gate_proj|up_proj|down_proj)$")
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@dataclass
+class Case:
+    name: str
+    src: Path
+    dst: Path
+    model_type: str
+    nvfp4: bool
+
+
+def add_bpe_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer of exactly ``vocab_size`` tokens (the model's embedding rows): the
+    printable ASCII bytes, merges of frequent pairs up to ``vocab_size - 3``, three special tokens. The
+    pre-tokenizer is Qwen2's (its Split regex, then ByteLevel without its own regex), as Qwen's
+    tokenizer.json has it."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    byte_char = {b: c for b, c in zip(range(256), _bytes_to_unicode(), strict=True)}
+    assert set(byte_char.values()) == set(alphabet)
+    vocab = {byte_char[b]: i for i, b in enumerate(range(32, 127))}
+    merges: list[tuple[str, str]] = []
+    text = "the quick brown fox jumps over the lazy dog and then the fox sleeps in the sun"
+    words = [[byte_char[b] for b in (" " + w if i else w).encode()] for i, w in enumerate(text.split())]
+    while len(vocab) < vocab_size - len(SPECIALS):
+        pairs: dict[tuple[str, str], int] = {}
+        for w in words:
+            for a, b in itertools.pairwise(w):
+                pairs[(a, b)] = pairs.get((a, b), 0) + 1
+        if not pairs:
+            break
+        best = max(sorted(pairs), key=lambda p: pairs[p])
+        merges.append(best)
+        vocab[best[0] + best[1]] = len(vocab)
+        words = [_merge(w, best) for w in words]
+    while len(vocab) < vocab_size - len(SPECIALS):  # pad with more single characters
+        vocab[alphabet[len(vocab) % len(alphabet)] * 2 + str(len(vocab))] = len(vocab)
+    qwen2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+             r"|\s+(?!\S)|\s+")
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(qwen2), behavior="isolated"),
+                                                 ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIALS))
+    assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 512}))
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> printable character table, in byte order."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    table, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + n)
+            n += 1
+    return [table[b] for b in range(256)]
+
+
+def _merge(word: list[str], pair: tuple[str, str]) -> list[str]:
+    out, i = [], 0
+    while i < len(word):
+        if i + 1 < len(word) and (word[i], word[i + 1]) == pair:
+            out.append(word[i] + word[i + 1])
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return out
+
+
+def sources(root: Path) -> list[Case]:
+    """Every input layout on a tiny Qwen3-MoE, AutoRound's Qwen3-MoE with FP4 attention, GPT-OSS (native MXFP4,
+    biases, sinks, sliding window, YaRN) and DeepSeek-R1's replicas (MLA, a dense FP4 MLP, shared experts, an
+    MTP layer; NVIDIA's NVFP4 with an FP8 KV cache and AMD's Quark MXFP4)."""
+    from tests.replicas import deepseek
+    from tests.replicas.ct_families import autoround_mxfp4
+
+    out: dict[str, tuple[Path, str]] = {}
+    for layout in ("ct-mxfp4", "modelopt-nvfp4", "ct-nvfp4"):
+        out[f"qwen3_moe-{layout}"] = (builders.build(layout, root / layout), "qwen3_moe")
+    out["qwen3_moe-quark-mxfp4"] = (builders.quark_mxfp4(root / "quark-mxfp4"), "qwen3_moe")
+    out["qwen3_moe-autoround-mxfp4"] = (autoround_mxfp4(root / "autoround").path, "qwen3_moe")
+    out["gpt_oss"] = (_with_yarn(builders.build("gpt-oss", root / "gpt-oss")), "gpt_oss")
+    out["deepseek_v3-modelopt-nvfp4-r1"] = (deepseek.modelopt_nvfp4_r1(root / "r1").path, "deepseek_v3")
+    out["deepseek_v3-quark-mxfp4-r1"] = (deepseek.quark_mxfp4_r1(root / "r1-quark").path, "deepseek_v3")
+    cases = []
+    for name, (path, mt) in out.items():
+        add_bpe_tokenizer(path, int(json.loads((path / "config.json").read_text())["vocab_size"]))
+        nv = any(isinstance(v, oracle.NV) for v in oracle.source_fp4(path).values())
+        cases.append(Case(name, path, root / "out" / name, mt, nv))
+    return cases
+
+
+def _with_yarn(src: Path) -> Path:
+    """GPT-OSS's RoPE scaling written out, as the releases' config.json has it (transformers assumes it when
+    absent, llama.cpp reads only what the file says)."""
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                           "truncate": False, "original_max_position_embeddings": 4096}
+    (src / "config.json").write_text(json.dumps(cfg, indent=2))
+    return src
+
+
+def convert(case: Case, *extra: str) -> str | None:
+    """``mxfp4conv convert SRC DST --to gguf --device cpu``; None on success, else the CLI's error."""
+    case.dst.parent.mkdir(parents=True, exist_ok=True)
+    res = CliRunner().invoke(cli, ["convert", str(case.src), str(case.dst), "--to", "gguf", "--device", "cpu", *extra])
+    return None if res.exit_code == 0 else f"exit {res.exit_code}: {res.stderr.strip() or res.output.strip()}"
+
+
+def fp4_values(case: Case, written: bool) -> dict[str, np.ndarray]:
+    """Every FP4 Linear of the source by module name, in float32: its values (``written=False``), or the
+    values the output must hold (the oracle's requantization of an NVFP4 source)."""
+    out = {}
+    for module, w in oracle.source_fp4(case.src).items():
+        if isinstance(w, oracle.NV):
+            out[module] = oracle.requantize(w.values).values().astype(np.float32) if written else w.values
+        else:
+            out[module] = w.values().astype(np.float32)  # E2M1 x 2^k: exact in float32
+    return out
+
+
+def _state(case: Case, written: bool) -> dict[str, torch.Tensor]:
+    """The source as float32 parameters of transformers' model (per-expert Linears stacked as it holds them)."""
+    fp4 = fp4_values(case, written)
+    state: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, dict[int, np.ndarray]]] = {}
+    for module, v in fp4.items():
+        m = _EXPERT.match(module)
+        if m is None:
+            state[f"{module}.weight"] = torch.from_numpy(np.ascontiguousarray(v))
+        else:
+            experts.setdefault(m["c"], {}).setdefault(m["p"], {})[int(m["e"])] = v
+    for c, by in experts.items():
+        n = len(by["gate_proj"])
+        gate, up, down = (np.stack([by[p][e] for e in range(n)]) for p in ("gate_proj", "up_proj", "down_proj"))
+        if case.model_type == "gpt_oss":  # transformers' GptOssExperts: [E, H, 2I] gate/up interleaved, [E, I, H]
+            gate_up = np.empty((n, gate.shape[2], 2 * gate.shape[1]), dtype=np.float32)
+            gate_up[:, :, 0::2], gate_up[:, :, 1::2] = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
+            state[f"{c}.experts.gate_up_proj"] = torch.from_numpy(gate_up)
+            state[f"{c}.experts.down_proj"] = torch.from_numpy(np.ascontiguousarray(down.transpose(0, 2, 1)))
+        else:
+            state[f"{c}.experts.gate_up_proj"] = torch.from_numpy(np.concatenate([gate, up], 1))
+            state[f"{c}.experts.down_proj"] = torch.from_numpy(down)
+    owned = tuple(f"{m}." for m in fp4)
+    layers = int(json.loads((case.src / "config.json").read_text())["num_hidden_layers"])
+    for name, t in load_tensors(case.src).items():
+        m = re.match(r"^model\.layers\.(\d+)\.", name)
+        if m is not None and int(m[1]) >= layers:  # an MTP layer: not part of the model's forward
+            continue
+        if name.endswith((".k_scale", ".v_scale")):  # an FP8 KV cache's scales: the reference computes in float32
+            continue
+        if not name.startswith(owned) and t.dtype in (torch.bfloat16, torch.float16, torch.float32):
+            state[name] = t.float()
+    return state
+
+
+def reference_logits(case: Case, written: bool) -> np.ndarray:
+    """transformers' float32 model of the source's config, with the source's values: the prompt's logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = json.loads((case.src / "config.json").read_text())
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("quantization_config",
+                                                                                  "compression_config")})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = _state(case, written)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    assert set(missing) <= tied and not unexpected, (missing, unexpected)
+    with torch.no_grad():
+        return model(torch.tensor([PROMPT])).logits[0].numpy().astype(np.float64)
+
+
+def swap_gate_up(dst: Path, out: Path) -> Path:
+    """A copy of a GGUF output whose first layer has its gate and up experts swapped: the negative control
+    of the logits check (the swap is made by rewriting the two tensors' bytes in place)."""
+    from gguf import GGUFReader
+
+    shutil.copytree(dst, out)
+    path = out / "model.gguf"
+    r = GGUFReader(str(path))
+    by = {t.name: t for t in r.tensors}
+    g, u = by["blk.0.ffn_gate_exps.weight"], by["blk.0.ffn_up_exps.weight"]
+    blob = bytearray(path.read_bytes())
+    a = slice(int(g.data_offset), int(g.data_offset) + int(g.n_bytes))
+    b = slice(int(u.data_offset), int(u.data_offset) + int(u.n_bytes))
+    blob[a], blob[b] = blob[b], blob[a]
+    path.write_bytes(bytes(blob))
+    return out
+
+
+def expectations(case: Case) -> dict[str, Any]:
+    return {"name": case.name, "model": str(case.dst / "model.gguf"), "prompt": PROMPT}

@@ -1,0 +1,121 @@
+"""``--to gguf`` outputs computed by llama.cpp itself (llama-cpp-python 0.3.36's llama.cpp on this CPU).
+
+Per case (every input layout on a tiny Qwen3-MoE, AutoRound's Qwen3-MoE with FP4 attention, an output
+split by ``--max-shard-size``): llama.cpp loads the GGUF; the prompt's logits agree with transformers'
+float32 model of the source; greedy generation produces tokens. The negative control (gate and up swapped
+in one layer) loads and must fail the logits check.
+
+Tolerance, as a mean |difference| relative to the RMS of the reference logits: llama.cpp's CPU matmuls
+round their activations before the dot product, to Q8_0 for an MXFP4 weight (blocks of 32 with a float16
+scale: a relative rounding of up to 2^-8 of the block's largest value) and to BF16 for a BF16 weight
+(2^-9), and about ten rounded matmuls lie between the embedding and the logits of these 2-layer models:
+measured 0.0036 to 0.0081 (FP4 attention adds Q8_0 rounding to every projection). ``TOL`` = 0.02 leaves 2.5x
+and stays far under the gate/up swap's 0.07.
+
+Every MXFP4 tensor of each output, read and dequantized by the ``gguf`` package (llama.cpp's own Python
+reader, not mxfp4conv's), is the source's values bit for bit (MXFP4 sources) or the oracle's
+requantization of them (NVFP4), under names mapped by this test from llama.cpp's tensor table.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.gguf_runtime import gguf_cases as C
+from tests.gguf_runtime.conftest import NEGATIVE, SHARDED, Ran
+
+pytestmark = pytest.mark.gguf
+
+TOL = 0.02
+CASES = ["qwen3_moe-ct-mxfp4", "qwen3_moe-modelopt-nvfp4", "qwen3_moe-ct-nvfp4", "qwen3_moe-quark-mxfp4",
+         "qwen3_moe-autoround-mxfp4", "gpt_oss", "deepseek_v3-modelopt-nvfp4-r1", "deepseek_v3-quark-mxfp4-r1", SHARDED]
+
+
+def _result(ran: Ran, name: str) -> dict[str, Any]:
+    assert name not in ran.convert_errors, f"{name}: convert failed: {ran.convert_errors[name]}"
+    r = ran.results[name]
+    assert "error" not in r, f"{name}: llama.cpp failed: {r['error']}\n{r.get('traceback', '')}"
+    return r
+
+
+def _rel(x: np.ndarray, y: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(x - y).mean() / np.sqrt((ref**2).mean()))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_logits_agree_with_float32_references(llama_ran: Ran, name: str, record: Any) -> None:
+    r = _result(llama_ran, name)
+    refs = llama_ran.references[name]
+    got = np.array(r["logits"])
+    written, source = refs["reference_written"], refs["reference"]
+    d, requant, vs_source = _rel(got, written, written), _rel(written, source, source), _rel(got, source, source)
+    record("relative mean |d| logits", f"llama.cpp {d:.4f}, vs source {vs_source:.4f} (requant {requant:.4f}), "
+           f"argmax {int((got.argmax(-1) == written.argmax(-1)).sum())}/{len(got)}")
+    assert got.shape == written.shape
+    assert d <= TOL
+    if llama_ran.cases[name].nvfp4:
+        assert vs_source <= requant + TOL
+    else:
+        assert requant == 0.0, "a lossless source's written values must be its own"
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_llama_cpp_generates(llama_ran: Ran, name: str) -> None:
+    r = _result(llama_ran, name)
+    assert r["generated_tokens"] > 0, r
+
+
+def test_the_negative_control_fails_the_logits_check(llama_ran: Ran, record: Any) -> None:
+    """Gate and up swapped in one layer: llama.cpp loads it, and the logits say so."""
+    r = _result(llama_ran, NEGATIVE)
+    ref = llama_ran.references[NEGATIVE]["reference_written"]
+    d = _rel(np.array(r["logits"]), ref, ref)
+    record("relative mean |d| logits", f"{d:.4f}")
+    assert d > TOL
+
+
+def test_the_split_output_is_what_llama_gguf_split_writes(llama_ran: Ran) -> None:
+    dst = llama_ran.cases[SHARDED].dst
+    files = sorted(p.name for p in dst.glob("*.gguf"))
+    assert len(files) > 1 and files == [f"model-{i + 1:05d}-of-{len(files):05d}.gguf" for i in range(len(files))]
+
+
+# llama.cpp's names (its llama-arch.cpp tensor table) -> the source's module names, written for this test
+_EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_DENSE = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", **{f"ffn_{p}": f"mlp.{p}_proj" for p in ("gate", "up", "down")},
+          **{f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")}}
+
+
+def gguf_mxfp4(folder: Path) -> dict[str, np.ndarray]:
+    """Every MXFP4 matrix of a GGUF output, dequantized by the ``gguf`` package, by source module name."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    out: dict[str, np.ndarray] = {}
+    for f in sorted(folder.glob("*.gguf")):
+        for t in GGUFReader(str(f)).tensors:
+            if t.tensor_type != GGMLQuantizationType.MXFP4:
+                continue
+            values = dequantize(np.asarray(t.data), GGMLQuantizationType.MXFP4)
+            if (m := _EXPS.match(t.name)) is not None:
+                for e in range(values.shape[0]):
+                    out[f"model.layers.{m[1]}.mlp.experts.{e}.{m[2]}_proj"] = values[e]
+                continue
+            _blk, layer, kind, _ = t.name.split(".")
+            out[f"model.layers.{layer}.{_DENSE[kind]}"] = values
+    return out
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_gguf_reads_every_mxfp4_weight_as_the_source_s(llama_ran: Ran, name: str) -> None:
+    case = llama_ran.cases[name]
+    got, want = gguf_mxfp4(case.dst), C.fp4_values(case, written=True)
+    assert sorted(got) == sorted(want)
+    bad = [m for m in want if not np.array_equal(got[m].astype(np.float32), want[m])]
+    assert bad == [], f"{len(bad)} of {len(want)} FP4 Linears differ, first {bad[:3]}"
