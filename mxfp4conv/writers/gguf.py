@@ -335,7 +335,7 @@ class GgufTarget(Target):
         return [OutTensor(name, self._out_dtype(spec, ctx), shape)]
 
     def encode(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> list[torch.Tensor]:
-        from mxfp4conv.formats.ggml import to_ggml_mxfp4
+        from mxfp4conv.kernels.ggml_native import to_ggml_mxfp4
 
         if self._dropped(spec, ctx):
             return []
@@ -358,7 +358,7 @@ class GgufTarget(Target):
     def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
         import torch
 
-        from mxfp4conv.formats.ggml import from_ggml_mxfp4
+        from mxfp4conv.kernels.ggml_native import from_ggml_mxfp4
 
         outs = self.out_specs(spec, ctx)
         if spec.kind == "moe":
