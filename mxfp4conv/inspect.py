@@ -84,8 +84,9 @@ def writer_context(plan: Plan, ckpt: Checkpoint, options: TargetOptions | Mappin
     """The writer context of ``plan``; ``options`` typed, or in their string form (a manifest's)."""
     pt = {u.key: (ckpt.tensors[u.key].dtype, ckpt.tensors[u.key].shape) for u in plan.units if u.kind == "passthrough"}
     typed = options if isinstance(options, TargetOptions) else TargetOptions.parse(options or {})
-    return WriterContext(plan.facts, plan.layout, plan.units, pt, typed, plan.precision, ckpt.config,
-                         ckpt.read_extra)
+    return WriterContext(plan.facts, plan.layout, plan.units, pt, typed, plan.precision, src_config=ckpt.config,
+                         source=ckpt.repo_id or ckpt.root.name, source_is_repo=ckpt.repo_id is not None,
+                         read_file=ckpt.read_extra)
 
 
 def _fp4_modules(plan: Plan) -> list[str]:

@@ -120,6 +120,8 @@ def compare_units(want: Canonical, got: Canonical) -> list[dict[str, Any]]:
         k = want.module
         pairs += [(f"{k} codes", want.weight.packed, got.weight.packed), (f"{k} scales", want.weight.scales, got.weight.scales),
                   (f"{k} bias", want.bias, got.bias)]
+        if want.weight.global_rows is not None or got.weight.global_rows is not None:
+            pairs.append((f"{k} global scale", want.weight.global_rows, got.weight.global_rows))
     elif isinstance(want, Passthrough) and isinstance(got, Passthrough):
         pairs.append((want.name, want.tensor, got.tensor))
     else:

@@ -7,7 +7,8 @@ writer (``safetensors_io.ShardStream``) streams the data after it, with the padd
 declares (``GGUF.pad``), exactly as for a safetensors shard.
 
 Output tensors are declared with safetensors dtypes (``OutTensor``); in a GGUF output ``U8`` always
-means GGML MXFP4 blocks ``[..., K/32 * 17]`` (``formats/ggml.py``) and the float dtypes are GGML's own.
+means GGML MXFP4 blocks ``[..., K/32 * 17]`` and ``I8`` GGML NVFP4 blocks ``[..., K/64 * 36]``
+(``formats/ggml.py``: rows of bytes, one byte per ``U8``/``I8`` element), the float dtypes are GGML's own.
 The reader maps them back the same way, so a written GGUF opens as a ``Checkpoint`` whose tensors
 ``decode`` reads by name, like any output.
 """
@@ -45,6 +46,7 @@ MAGIC = b"GGUF"
 VERSION = 3
 ALIGNMENT = 32  # GGUF_DEFAULT_ALIGNMENT
 BLOCK, BLOCK_BYTES = 32, 17  # GGML MXFP4: 32 elements in 17 bytes (formats/ggml.py)
+NV_BLOCK, NV_BLOCK_BYTES = 64, 36  # GGML NVFP4: 64 elements in 36 bytes
 MAX_HEADER = 512 << 20  # a vocabulary of 256k tokens with merges is ~30 MB
 
 
@@ -79,10 +81,12 @@ class GgmlType(IntEnum):
     I32 = 26
     BF16 = 30
     MXFP4 = 39
+    NVFP4 = 40
 
 
 _BY_DTYPE = {"F32": GgmlType.F32, "F16": GgmlType.F16, "I32": GgmlType.I32, "BF16": GgmlType.BF16,
-             "U8": GgmlType.MXFP4}
+             "U8": GgmlType.MXFP4, "I8": GgmlType.NVFP4}
+_BLOCKS = {GgmlType.MXFP4: (BLOCK, BLOCK_BYTES), GgmlType.NVFP4: (NV_BLOCK, NV_BLOCK_BYTES)}
 _DTYPE_OF = {t: d for d, t in _BY_DTYPE.items()}
 
 
@@ -119,14 +123,22 @@ def mxfp4_row_bytes(k: int) -> int:
     return k // BLOCK * BLOCK_BYTES
 
 
+def nvfp4_row_bytes(k: int) -> int:
+    """Bytes of one GGML NVFP4 row of ``k`` elements."""
+    if k % NV_BLOCK:
+        raise ValueError(f"row size {k} is not a multiple of the NVFP4 block size {NV_BLOCK}")
+    return k // NV_BLOCK * NV_BLOCK_BYTES
+
+
 def ggml_dims(dtype: str, shape: tuple[int, ...]) -> tuple[GgmlType, tuple[int, ...]]:
     """The GGML type and dims (``ne``, innermost first) of a declared output tensor."""
     if dtype not in _BY_DTYPE:
         raise ValueError(f"GGUF outputs hold {sorted(_BY_DTYPE)}, not {dtype}")
     t = _BY_DTYPE[dtype]
     dims = list(reversed(shape))
-    if t is GgmlType.MXFP4:
-        dims[0] = dims[0] // BLOCK_BYTES * BLOCK
+    if t in _BLOCKS:
+        elements, nbytes = _BLOCKS[t]
+        dims[0] = dims[0] // nbytes * elements
     return t, tuple(dims)
 
 
@@ -230,10 +242,11 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorRef]]:
             raise InputError(f"GGML type {t} is not one mxfp4conv writes", file=str(path), tensor=name)
         dtype = _DTYPE_OF[GgmlType(t)]
         shape = list(reversed(dims))
-        if t == GgmlType.MXFP4:
-            if shape[-1] % BLOCK:
-                raise InputError(f"MXFP4 row of {shape[-1]} elements", file=str(path), tensor=name)
-            shape[-1] = shape[-1] // BLOCK * BLOCK_BYTES
+        if t in _BLOCKS:
+            elements, block_bytes = _BLOCKS[GgmlType(t)]
+            if shape[-1] % elements:
+                raise InputError(f"{GgmlType(t).name} row of {shape[-1]} elements", file=str(path), tensor=name)
+            shape[-1] = shape[-1] // elements * block_bytes
             nbytes = math.prod(shape)
         else:
             nbytes = math.prod(shape) * {"F32": 4, "F16": 2, "BF16": 2, "I32": 4}[dtype]

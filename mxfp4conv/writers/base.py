@@ -90,6 +90,8 @@ class WriterContext:
     target_options: TargetOptions = field(default_factory=TargetOptions)
     precision: PrecisionModel = field(default_factory=PrecisionModel)
     src_config: Mapping[str, Any] = field(default_factory=dict)  # SRC's config.json
+    source: str = ""  # SRC's Hub repo id, else its folder's name (targets that record where they come from)
+    source_is_repo: bool = False
     # SRC's other top-level files by name (tokenizer files, for targets that embed them), None when absent
     read_file: Callable[[str], bytes | None] = _no_file
 

@@ -24,15 +24,17 @@ if TYPE_CHECKING:
 
 from mxfp4conv import __version__
 from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, MoELayer, Passthrough, UnitSpec
-from mxfp4conv.io.gguf_io import GGUF, KV, VType, mxfp4_row_bytes
+from mxfp4conv.errors import InputError
+from mxfp4conv.io.gguf_io import GGUF, KV, VType, mxfp4_row_bytes, nvfp4_row_bytes
 from mxfp4conv.io.safetensors_io import torch_dtype
 from mxfp4conv.writers.base import Getter, OutTensor, Split, Target, WriterContext
 from mxfp4conv.writers.gguf_vocab import tokenizer_kvs, tokenizer_refusal
 from mxfp4conv.writers.layers import precision_refusal
 
-__all__ = ["ARCHS", "FILE_TYPE_MXFP4_MOE", "GgufTarget", "gguf_kvs"]
+__all__ = ["ARCHS", "FILE_TYPE_MXFP4_MOE", "FILE_TYPE_NVFP4", "GgufTarget", "gguf_kvs"]
 
 FILE_TYPE_MXFP4_MOE = 38  # llama_ftype LLAMA_FTYPE_MOSTLY_MXFP4_MOE
+FILE_TYPE_NVFP4 = 39  # LLAMA_FTYPE_MOSTLY_NVFP4 (--keep-nvfp4)
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -46,6 +48,7 @@ class Arch:
     hparams: Callable[[Mapping[str, Any]], list[KV]]
     mla: bool = False  # kv_b_proj written as llama.cpp's MLA pair attn_k_b / attn_v_b
     mtp: bool = False  # layers past num_hidden_layers are an MTP block llama.cpp's converter drops
+    nvfp4_scales: bool = False  # its graph multiplies NVFP4 weights by their per-tensor <name>.scale
 
 
 def _u32(k: str, v: Any) -> KV:
@@ -155,7 +158,7 @@ _EXPERTS = "mlp.experts"
 ARCHS: dict[str, Arch] = {
     "qwen3_moe": Arch("qwen3moe", {**_NORMS, **_QKVO, "self_attn.q_norm.weight": "attn_q_norm.weight",
                                    "self_attn.k_norm.weight": "attn_k_norm.weight",
-                                   "mlp.gate.weight": "ffn_gate_inp.weight"}, _qwen3moe),
+                                   "mlp.gate.weight": "ffn_gate_inp.weight"}, _qwen3moe, nvfp4_scales=True),
     "gpt_oss": Arch("gpt-oss", {"input_layernorm.weight": "attn_norm.weight",
                                 "post_attention_layernorm.weight": "post_attention_norm.weight", **_QKVO,
                                 "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
@@ -187,16 +190,28 @@ def _expert_prefix(key: str) -> str | None:
     return f"blk.{m[1]}" if m is not None and m[2] == _EXPERTS else None
 
 
-def gguf_kvs(src_config: Mapping[str, Any], ctx: WriterContext) -> list[KV]:
+def provenance_kvs(ctx: WriterContext) -> list[KV]:
+    """``general.*`` naming the source release (the GGUF's base model) and the converter: what ``verify`` does
+    not compare, as the same release may be named by its repo id or by a folder holding it."""
+    name = ctx.source.rsplit("/", 1)[-1] or ctx.facts.model_type
+    out = [KV("general.name", VType.STRING, name), KV("general.quantized_by", VType.STRING, f"mxfp4conv {__version__}"),
+           KV("general.base_model.count", VType.UINT32, 1), KV("general.base_model.0.name", VType.STRING, name)]
+    if ctx.source_is_repo:
+        org = ctx.source.split("/", 1)[0]
+        out += [KV("general.base_model.0.organization", VType.STRING, org),
+                KV("general.base_model.0.repo_url", VType.STRING, f"https://huggingface.co/{ctx.source}")]
+    return out
+
+
+def gguf_kvs(src_config: Mapping[str, Any], ctx: WriterContext, *, provenance: bool = True) -> list[KV]:
     """Every metadata entry of the first (or only) file."""
     arch = ARCHS[ctx.facts.model_type]
-    name = str(src_config.get("_name_or_path") or ctx.facts.model_type).rstrip("/").rsplit("/", 1)[-1]
     out = [KV("general.architecture", VType.STRING, arch.name),
            KV("general.type", VType.STRING, "model"),
-           KV("general.name", VType.STRING, name),
            KV("general.quantization_version", VType.UINT32, QUANTIZATION_VERSION),
-           KV("general.file_type", VType.UINT32, FILE_TYPE_MXFP4_MOE),
-           KV("general.quantized_by", VType.STRING, f"mxfp4conv {__version__}")]
+           KV("general.file_type", VType.UINT32,
+              FILE_TYPE_NVFP4 if ctx.target_options.keep_nvfp4 else FILE_TYPE_MXFP4_MOE)]
+    out += provenance_kvs(ctx) if provenance else []
     out += [dataclasses.replace(kv, key=f"{arch.name}.{kv.key}") for kv in arch.hparams(src_config)]
     return out + tokenizer_kvs(ctx.read_file, src_config)
 
@@ -209,6 +224,90 @@ def _split_kvs(split: Split) -> list[KV]:
 def _widened(dtype: str, shape: tuple[int, ...], out_name: str) -> bool:
     """Tensors llama.cpp computes in F32: 1-D ones (norms, biases) and the router."""
     return dtype in ("BF16", "F16") and (len(shape) <= 1 or out_name.endswith(_F32_ALWAYS))
+
+
+# the GGUF weights llama.cpp multiplies by a per-tensor ``<name>.scale`` (its generic NVFP4 scale2 pass)
+_SCALED = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
+           "ffn_down.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+NVFP4_DIVISOR_REFUSAL = ("--keep-nvfp4: compressed-tensors NVFP4 divides by weight_global_scale and llama.cpp multiplies "
+                         "by a per-tensor scale, whose reciprocal float32 does not hold exactly; drop the flag to "
+                         "requantize to MXFP4")
+
+
+def _keep_refusal(ctx: WriterContext, arch: Arch) -> str | None:
+    """Why an NVFP4 source cannot be written as GGML NVFP4 (type 40) exactly."""
+    if ctx.facts.source_quant != "nvfp4":
+        return "--keep-nvfp4 keeps NVFP4 sources as NVFP4; this source is MXFP4 (drop the flag: it converts losslessly)"
+    if ctx.layout == "ct-nvfp4":
+        return NVFP4_DIVISOR_REFUSAL
+    if not arch.nvfp4_scales:
+        return (f"--keep-nvfp4: llama.cpp's {arch.name} graph does not multiply NVFP4 weights by their per-tensor "
+                "scale; drop the flag to requantize to MXFP4")
+    for u in ctx.units:
+        if u.kind == "moe" and (u.dims[1] % 64 or u.dims[2] % 64):
+            return (f"{u.key}: --keep-nvfp4: GGML NVFP4 blocks are 64 elements along the input; hidden {u.dims[1]} "
+                    f"/ intermediate {u.dims[2]} are not multiples of 64 (drop the flag to requantize to MXFP4)")
+        if u.kind == "dense":
+            name = gguf_name(f"{u.key}.weight", arch) or ""
+            if u.dims[1] % 64:
+                return (f"{u.key}: --keep-nvfp4: an input of {u.dims[1]} is not a multiple of GGML NVFP4's 64-element "
+                        "block (drop the flag to requantize to MXFP4)")
+            if not name.endswith(_SCALED):
+                return (f"{u.key}: --keep-nvfp4: llama.cpp applies no per-tensor NVFP4 scale to {name or 'it'} "
+                        "(drop the flag to requantize to MXFP4)")
+    return None
+
+
+def _per_tensor(w: FP4Weight, rows: slice, what: str) -> torch.Tensor:
+    """The one per-tensor scale of each stacked matrix (an NVFP4 weight's ``global_rows`` are its rows' copies)."""
+    assert w.global_rows is not None and not w.global_is_divisor  # refused at planning otherwise
+    g = w.global_rows[..., rows]
+    first = g[..., :1]
+    if not bool((g == first).all()):
+        raise ValueError(f"{what}: rows of one matrix with different NVFP4 global scales have no GGUF form")
+    return first.reshape(-1).float().contiguous()
+
+
+def _vocab_refusal(ctx: WriterContext) -> str | None:
+    """llama.cpp sizes its vocabulary from the GGUF's token list and requires token_embd to have that many rows."""
+    embed = ctx.passthrough_dtypes.get("model.embed_tokens.weight")
+    if embed is None:
+        return None
+    tokens = next(kv.value for kv in tokenizer_kvs(ctx.read_file, ctx.src_config) if kv.key == "tokenizer.ggml.tokens")
+    if len(tokens) != embed[1][0]:
+        return (f"tokenizer.json: {len(tokens)} tokens (config.json vocab_size {ctx.src_config.get('vocab_size')}) but "
+                f"model.embed_tokens.weight has {embed[1][0]} rows; llama.cpp needs one token per row")
+    return None
+
+
+def _no_nan_scale(*scales: torch.Tensor, what: str) -> None:
+    """An E8M0 byte 0xFF is NaN in MXFP4 but 2^127 in ggml: carried as it is, it would become a finite weight."""
+    if any(bool((s == 0xFF).any()) for s in scales):
+        raise InputError("E8M0 scale byte 0xFF (NaN) is not a valid MXFP4 scale", tensor=what,
+                         hint="the checkpoint is corrupt; re-download or re-export it")
+
+
+def _nvfp4_blocks(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    from mxfp4conv.formats.ggml import to_ggml_nvfp4
+
+    return to_ggml_nvfp4(packed, scales.view(torch.uint8)).view(torch.int8)  # declared I8: NVFP4 blocks
+
+
+def _weight(blocks: torch.Tensor, scale: torch.Tensor | None) -> FP4Weight:
+    """A GGUF FP4 tensor back in canonical form: MXFP4 blocks, or NVFP4 blocks with their per-tensor scale
+    (one per stacked matrix, as every row's global scale)."""
+    import torch
+
+    from mxfp4conv.formats.ggml import from_ggml_nvfp4
+    from mxfp4conv.kernels.ggml_native import from_ggml_mxfp4
+
+    if scale is None:
+        return FP4Weight("mxfp4", *from_ggml_mxfp4(blocks))
+    packed, scales = from_ggml_nvfp4(blocks.view(torch.uint8))
+    rows = scale.reshape(*blocks.shape[:-2], 1).expand(*blocks.shape[:-1]).contiguous()
+    return FP4Weight("nvfp4", packed, scales.view(torch.float8_e4m3fn), rows)
 
 
 def _mla_parts(kv_b: torch.Tensor, cfg: Mapping[str, Any]) -> list[torch.Tensor]:
@@ -235,9 +334,9 @@ class GgufTarget(Target):
         if mt not in ARCHS:
             return (f"--to gguf converts the architectures whose llama.cpp names it is checked against "
                     f"({', '.join(sorted(ARCHS))}), not {mt!r}")
-        if ctx.target_options.keep_nvfp4:
-            return "--keep-nvfp4: GGUF outputs hold MXFP4; drop the flag to requantize NVFP4 to MXFP4"
         arch = ARCHS[mt]
+        if ctx.target_options.keep_nvfp4 and (why := _keep_refusal(ctx, arch)):
+            return why
         rope = _rope(ctx.src_config)["rope_type"]
         if rope not in ("default", "yarn", None):
             return f"config.json: rope_type {rope!r} is not one this target writes for llama.cpp (default, yarn)"
@@ -247,7 +346,8 @@ class GgufTarget(Target):
         for u in ctx.units:
             if why := self._unit_refusal(u, ctx, arch):
                 return why
-        return precision_refusal(ctx, "GGUF", fp8_block=False, fp8=False) or tokenizer_refusal(ctx.read_file)
+        return (precision_refusal(ctx, "GGUF", fp8_block=False, fp8=False) or tokenizer_refusal(ctx.read_file)
+                or _vocab_refusal(ctx))
 
     def _unit_refusal(self, u: UnitSpec, ctx: WriterContext, arch: Arch) -> str | None:
         if self._dropped(u, ctx):
@@ -310,11 +410,15 @@ class GgufTarget(Target):
         arch = ARCHS[ctx.facts.model_type]
         if self._dropped(spec, ctx):
             return []
+        keep = ctx.target_options.keep_nvfp4
+        dtype, row_bytes = ("I8", nvfp4_row_bytes) if keep else ("U8", mxfp4_row_bytes)
         if spec.kind == "moe":
             e, h, i = spec.dims
             blk = _expert_prefix(spec.key)
-            out = [OutTensor(f"{blk}.{p}.weight", "U8", (e, n, mxfp4_row_bytes(k)))
+            out = [OutTensor(f"{blk}.{p}.weight", dtype, (e, n, row_bytes(k)))
                    for p, n, k in zip(_PROJ, (i, i, h), (h, h, i), strict=True)]
+            if keep:
+                out += [OutTensor(f"{blk}.{p}.scale", "F32", (e,)) for p in _PROJ]
             if spec.has_bias:
                 out += [OutTensor(f"{blk}.{p}.bias", "F32", (e, n)) for p, n in zip(_PROJ, (i, i, h), strict=True)]
             return out
@@ -322,8 +426,9 @@ class GgufTarget(Target):
             n, k = spec.dims
             name = gguf_name(f"{spec.key}.weight", arch)
             assert name is not None
-            out = [OutTensor(name, "U8", (n, mxfp4_row_bytes(k)))]
-            return out + ([OutTensor(f"{name[:-len('.weight')]}.bias", "F32", (n,))] if spec.has_bias else [])
+            base = name[:-len(".weight")]
+            out = [OutTensor(name, dtype, (n, row_bytes(k)))] + ([OutTensor(f"{base}.scale", "F32", (1,))] if keep else [])
+            return out + ([OutTensor(f"{base}.bias", "F32", (n,))] if spec.has_bias else [])
         dtype, shape = ctx.passthrough_dtypes[spec.key]
         name = self.passthrough_name(spec.key, ctx)
         if self._mla(spec, ctx):
@@ -341,14 +446,23 @@ class GgufTarget(Target):
             return []
         if isinstance(unit, MoELayer):
             i = unit.w13.packed.shape[1] // 2
-            rows = (slice(0, i), slice(i, 2 * i))
-            out = [to_ggml_mxfp4(unit.w13.packed[:, r], unit.w13.scales[:, r]) for r in rows]
-            out.append(to_ggml_mxfp4(unit.w2.packed, unit.w2.scales))
+            parts = ((unit.w13, slice(0, i)), (unit.w13, slice(i, 2 * i)), (unit.w2, slice(None)))
+            if unit.w13.quant == "nvfp4":
+                out = [_nvfp4_blocks(w.packed[:, r], w.scales[:, r]) for w, r in parts]
+                out += [_per_tensor(w, r, f"{spec.key}.{p}") for (w, r), p in zip(parts, _PROJ, strict=True)]
+            else:
+                _no_nan_scale(unit.w13.scales, unit.w2.scales, what=spec.key)
+                out = [to_ggml_mxfp4(w.packed[:, r], w.scales[:, r]) for w, r in parts]
             if unit.w13_bias is not None and unit.w2_bias is not None:
-                out += [unit.w13_bias[:, r].float() for r in rows] + [unit.w2_bias.float()]
+                out += [unit.w13_bias[:, r].float() for r in (slice(0, i), slice(i, 2 * i))] + [unit.w2_bias.float()]
             return out
         if isinstance(unit, DenseFP4):
-            out = [to_ggml_mxfp4(unit.weight.packed, unit.weight.scales)]
+            w = unit.weight
+            if w.quant == "nvfp4":
+                out = [_nvfp4_blocks(w.packed, w.scales), _per_tensor(w, slice(None), unit.module)[:1]]
+            else:
+                _no_nan_scale(w.scales, what=unit.module)
+                out = [to_ggml_mxfp4(w.packed, w.scales)]
             return out + ([unit.bias.float()] if unit.bias is not None else [])
         assert isinstance(unit, Passthrough)
         if self._mla(spec, ctx):
@@ -358,19 +472,22 @@ class GgufTarget(Target):
     def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
         import torch
 
-        from mxfp4conv.kernels.ggml_native import from_ggml_mxfp4
-
         outs = self.out_specs(spec, ctx)
+        keep = ctx.target_options.keep_nvfp4
+        bias_dtype = torch_dtype(spec.extra.get("bias_dtype", "BF16"))
         if spec.kind == "moe":
-            (gp, gs), (up, us), (dp, ds) = (from_ggml_mxfp4(get(o.name)) for o in outs[:3])
-            w13 = FP4Weight("mxfp4", torch.cat([gp, up], 1), torch.cat([gs, us], 1))
-            b = [get(o.name).to(torch_dtype(spec.extra.get("bias_dtype", "BF16"))) for o in outs[3:]]
-            return MoELayer(spec.key, w13, FP4Weight("mxfp4", dp, ds), torch.cat(b[:2], 1) if b else None,
-                            b[2] if b else None)
+            scales = [get(o.name) for o in outs[3:6]] if keep else [None, None, None]
+            ws = [_weight(get(o.name), sc) for o, sc in zip(outs[:3], scales, strict=True)]
+            b = [get(o.name).to(bias_dtype) for o in outs[6 if keep else 3:]]
+            g, u, d = ws
+            w13 = FP4Weight(g.quant, torch.cat([g.packed, u.packed], 1), torch.cat([g.scales, u.scales], 1),
+                            None if g.global_rows is None or u.global_rows is None else torch.cat(
+                                [g.global_rows, u.global_rows], -1))
+            return MoELayer(spec.key, w13, d, torch.cat(b[:2], 1) if b else None, b[2] if b else None)
         if spec.kind == "dense":
-            packed, scales = from_ggml_mxfp4(get(outs[0].name))
-            bias = get(outs[1].name).to(torch_dtype(spec.extra.get("bias_dtype", "BF16"))) if spec.has_bias else None
-            return DenseFP4(spec.key, FP4Weight("mxfp4", packed, scales), bias)
+            w = _weight(get(outs[0].name), get(outs[1].name) if keep else None)
+            bias = get(outs[-1].name).to(bias_dtype) if spec.has_bias else None
+            return DenseFP4(spec.key, w, bias)
         if self._mla(spec, ctx):
             return Passthrough(spec.key, _mla_join(get(outs[0].name), get(outs[1].name)))
         return Passthrough(spec.key, get(outs[0].name).to(torch_dtype(ctx.passthrough_dtypes[spec.key][0])))
@@ -396,4 +513,4 @@ class GgufTarget(Target):
         """The metadata written into the GGUF, as its reader returns it (for the verify's comparison)."""
         from mxfp4conv.io.gguf_io import kv_dict
 
-        return kv_dict(gguf_kvs(src_config, ctx))
+        return kv_dict(gguf_kvs(src_config, ctx, provenance=False))

@@ -30,6 +30,8 @@ from tests.producers.producers_lib import load_tensors
 
 PROMPT = [int(x) for x in np.random.default_rng(20261206).integers(3, 250, 16)]
 _EXPERT = re.compile(r"^(?P<c>.+)\.experts\.(?P<e>\d+)\.(?P<p>gate_proj|up_proj|down_proj)$")
+# NVFP4 sources whose dims are whole GGML NVFP4 blocks (64 inputs): also converted with --keep-nvfp4
+KEEP = ("qwen3_moe-modelopt-nvfp4-h128",)
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -42,6 +44,11 @@ class Case:
     dst: Path
     model_type: str
     nvfp4: bool
+    flags: tuple[str, ...] = ()
+
+    @property
+    def keeps_nvfp4(self) -> bool:
+        return "--keep-nvfp4" in self.flags
 
 
 def add_bpe_tokenizer(folder: Path, vocab_size: int) -> None:
@@ -118,6 +125,7 @@ def sources(root: Path) -> list[Case]:
     MTP layer; NVIDIA's NVFP4 with an FP8 KV cache and AMD's Quark MXFP4)."""
     from tests.replicas import deepseek
     from tests.replicas.ct_families import autoround_mxfp4
+    from tests.serving.serving_sources import build_moe
 
     out: dict[str, tuple[Path, str]] = {}
     for layout in ("ct-mxfp4", "modelopt-nvfp4", "ct-nvfp4"):
@@ -127,11 +135,16 @@ def sources(root: Path) -> list[Case]:
     out["gpt_oss"] = (_with_yarn(builders.build("gpt-oss", root / "gpt-oss")), "gpt_oss")
     out["deepseek_v3-modelopt-nvfp4-r1"] = (deepseek.modelopt_nvfp4_r1(root / "r1").path, "deepseek_v3")
     out["deepseek_v3-quark-mxfp4-r1"] = (deepseek.quark_mxfp4_r1(root / "r1-quark").path, "deepseek_v3")
+    out["qwen3_moe-modelopt-nvfp4-h128"] = (build_moe("qwen3_moe", root / "h128", seed=3).paths["modelopt-nvfp4"],
+                                            "qwen3_moe")
     cases = []
     for name, (path, mt) in out.items():
         add_bpe_tokenizer(path, int(json.loads((path / "config.json").read_text())["vocab_size"]))
         nv = any(isinstance(v, oracle.NV) for v in oracle.source_fp4(path).values())
         cases.append(Case(name, path, root / "out" / name, mt, nv))
+    for base in [c for c in cases if c.name in KEEP]:  # NVFP4 kept as GGML NVFP4: no requantization
+        cases.append(Case(f"{base.name}--keep-nvfp4", base.src, root / "out" / f"{base.name}--keep-nvfp4",
+                          base.model_type, base.nvfp4, ("--keep-nvfp4",)))
     return cases
 
 
@@ -148,17 +161,19 @@ def _with_yarn(src: Path) -> Path:
 def convert(case: Case, *extra: str) -> str | None:
     """``mxfp4conv convert SRC DST --to gguf --device cpu``; None on success, else the CLI's error."""
     case.dst.parent.mkdir(parents=True, exist_ok=True)
-    res = CliRunner().invoke(cli, ["convert", str(case.src), str(case.dst), "--to", "gguf", "--device", "cpu", *extra])
+    res = CliRunner().invoke(cli, ["convert", str(case.src), str(case.dst), "--to", "gguf", "--device", "cpu",
+                                   *case.flags, *extra])
     return None if res.exit_code == 0 else f"exit {res.exit_code}: {res.stderr.strip() or res.output.strip()}"
 
 
 def fp4_values(case: Case, written: bool) -> dict[str, np.ndarray]:
     """Every FP4 Linear of the source by module name, in float32: its values (``written=False``), or the
-    values the output must hold (the oracle's requantization of an NVFP4 source)."""
+    values the output must hold (the oracle's requantization of an NVFP4 source, unless it is kept)."""
     out = {}
     for module, w in oracle.source_fp4(case.src).items():
         if isinstance(w, oracle.NV):
-            out[module] = oracle.requantize(w.values).values().astype(np.float32) if written else w.values
+            requant = written and not case.keeps_nvfp4
+            out[module] = oracle.requantize(w.values).values().astype(np.float32) if requant else w.values
         else:
             out[module] = w.values().astype(np.float32)  # E2M1 x 2^k: exact in float32
     return out

@@ -447,3 +447,34 @@ def test_refusals_at_planning(sources: dict[str, Src], tmp_path: Path, name: str
     assert "\n" not in msg and "to gguf" in msg, msg
     assert all(s in msg for s in says), (says, msg)
     assert list(parent.iterdir()) == [], "a refusal left files behind"
+
+
+@pytest.mark.parametrize(("name", "extra", "says"), [
+    ("r1", ["--keep-nvfp4"], ["--keep-nvfp4", "deepseek2", "per-tensor scale"]),
+    ("ct-mxfp4", ["--keep-nvfp4"], ["--keep-nvfp4", "MXFP4", "losslessly"]),
+], ids=["keep-nvfp4-deepseek2", "keep-nvfp4-mxfp4-source"])
+def test_keep_nvfp4_refusals(sources: dict[str, Src], tmp_path: Path, name: str, extra: list[str],
+                             says: list[str]) -> None:
+    """llama.cpp's deepseek2 graph passes no NVFP4 per-tensor scale (its GGUF would compute wrong values)."""
+    res = _convert(sources[name].path, tmp_path / "dst", *extra)
+    msg = res.stderr.strip()
+    assert res.exit_code == EXIT_INVALID and "\n" not in msg and all(s in msg for s in says), (res.exit_code, msg)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_nan_e8m0_scale_is_refused_not_made_finite(sources: dict[str, Src], tmp_path: Path) -> None:
+    """ggml reads the E8M0 byte 0xFF as 2^127, not NaN: carried as it is, a corrupt block would become weights."""
+    src = tmp_path / "src"
+    shutil.copytree(sources["ct-mxfp4"].path, src)
+    t = oracle.read_tensors(src)
+    name = next(n for n in sorted(t) if n.endswith("experts.0.down_proj.weight_scale"))
+    shard = next(f for f in sorted(src.glob("*.safetensors")) if name.encode() in f.read_bytes()[:1 << 20])
+    blob = bytearray(shard.read_bytes())
+    (n,) = np.frombuffer(blob[:8], dtype="<u8")
+    header = json.loads(blob[8:8 + int(n)])
+    blob[8 + int(n) + header[name]["data_offsets"][0]] = 0xFF
+    shard.write_bytes(bytes(blob))
+    res = _convert(src, tmp_path / "dst")
+    msg = res.stderr.strip()
+    assert res.exit_code == EXIT_INVALID and "0xFF" in msg and "experts" in msg, (res.exit_code, msg)
+    assert not (tmp_path / "dst").exists()
