@@ -45,7 +45,8 @@ class _Use:
 
 
 # transformers reads compressed-tensors, Quark and GPT-OSS MXFP4 folders (and the Hub offers vLLM's
-# snippet for transformers models); Marlin shards load only through vLLM with the plugin; MLX through mlx-lm
+# snippet for transformers models); Marlin shards load only through vLLM with the plugin; MLX through mlx-lm;
+# GGUF through llama.cpp
 _USES = {
     "ct": _Use("transformers", "compressed-tensors", ("vllm", "sglang"),
                ("vllm serve DST", "python -m sglang.launch_server --model-path DST")),
@@ -55,6 +56,8 @@ _USES = {
     "marlin": _Use("vllm", "marlin", ("vllm",), ("pip install 'mxfp4conv[vllm]'   # next to vLLM 0.32-0.33",
                                                  "vllm serve DST/rank-0{tp}")),
     "mlx": _Use("mlx", "mlx", ("mlx",), ("pip install mlx-lm", 'mlx_lm.generate --model DST --prompt "Hello"')),
+    "gguf": _Use("gguf", "gguf", ("llama.cpp",), ("llama-server -m DST/model.gguf   # a split output: its first file, "
+                                                 "DST/model-00001-of-0000N.gguf",)),
 }
 
 
@@ -101,6 +104,7 @@ class CardFacts:
     verified: bool
     tp_size: int
     card: SourceCard
+    kept_nvfp4: bool = False  # --keep-nvfp4: an NVFP4 source's codes and scales carried as NVFP4
 
 
 def check_base_model(name: str | None) -> None:
@@ -198,14 +202,21 @@ def _about(f: CardFacts) -> list[str]:
 
 def _precision(f: CardFacts) -> list[str]:
     p = f.precision
-    fp4 = "NVFP4 requantized to MXFP4" if f.requantized else "MXFP4, every code and scale byte kept"
+    fp4 = ("NVFP4 requantized to MXFP4" if f.requantized else
+           "NVFP4, every code and scale byte kept" if f.kept_nvfp4 else "MXFP4, every code and scale byte kept")
+    # GGUF: llama.cpp computes norms, biases and the router in F32, which holds every BF16 value exactly
+    bf16 = "BF16 byte for byte (1-D tensors and the router widened to F32)" if f.target == "gguf" else (
+        "carried byte for byte")
     rows = [("FP4 routed experts", p.get("fp4_experts", 0), fp4), ("FP4 dense", p.get("fp4_dense", 0), fp4),
             ("FP8 per tensor", p.get("fp8_tensor", 0), "carried byte for byte"),
             ("FP8 in 128x128 blocks", p.get("fp8_block", 0), "carried byte for byte"),
-            ("unquantized (BF16)", p.get("bf16", 0), "carried byte for byte")]
+            ("unquantized (BF16)", p.get("bf16", 0), bf16)]
     table = "| precision | Linear modules | in this output |\n|---|---:|---|\n" + "\n".join(
         f"| {a} | {n} | {b} |" for a, n, b in rows)
     kv = f"KV cache: {f.kv_cache} (declared in the config)." if f.kv_cache else "KV cache: unquantized."
+    if f.kv_cache and f.target in ("gguf", "mlx"):
+        kv = (f"KV cache: {f.kv_cache} in the source; the runtime keeps its own cache in 16-bit floats, so its "
+              "scales are not written.")
     return ["## Precision", f"Linear modules per precision, as `mxfp4conv inspect` counts them in the source:\n\n"
             f"{table}\n\n{kv}"]
 
@@ -246,6 +257,8 @@ def _config_proof(f: CardFacts) -> str:
     """What the proof says of the config: MLX's config names no per-module schemes to resolve."""
     if f.target == "mlx":
         return ", and mlx-lm quantizes exactly the modules whose scales the shards hold"
+    if f.target == "gguf":
+        return ", and the GGUF metadata is the architecture's, the tokenizer's and the source's as written"
     return (", and the config was resolved with the runtime's own matching rules to the precision the source "
             "gave each module")
 
@@ -284,7 +297,8 @@ def card_facts(job: Job, src: str | Path, requant_stats: dict[str, dict[str, Any
         layout=job.plan.layout, target=job.target.NAME, version=__version__, command=_command(job, source),
         precision=job.plan.precision.counts(fp4_experts(job.plan), kinds.count("dense")),
         kv_cache=job.plan.precision.kv_cache, requantized=job.needs_device, scale_rule=opts.scale_rule,
-        requant_stats=requant_stats, verified=opts.verify, tp_size=job.ctx.target_options.tp_size, card=card)
+        requant_stats=requant_stats, verified=opts.verify, tp_size=job.ctx.target_options.tp_size, card=card,
+        kept_nvfp4=job.ctx.target_options.keep_nvfp4 and job.ctx.facts.source_quant == "nvfp4")
 
 
 def _command(job: Job, source: str) -> str:
