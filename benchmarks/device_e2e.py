@@ -89,7 +89,7 @@ def conv(src: Path, dst: Path, *flags: str, env: dict[str, str] | None = None) -
 
 def unit_budget(src: Path) -> tuple[int, int]:
     """(the largest unit's bytes, source or output, whichever is larger; 1 GiB + 2x that)."""
-    from mxfp4conv.job import ConvertOptions, prepare
+    from mxfp4conv.plan.job import ConvertOptions, prepare
 
     job = prepare(src, ConvertOptions(target="ct"))
     largest = 0
@@ -107,7 +107,7 @@ def main() -> None:
                                                    "wall = start + GB / rate fitted for cp and convert (least squares "
                                                    "over every pair) and the ratio projected to 400 and 700 GB")
     ap.add_argument("--work", type=Path, default=Path("/tmp/e2e"))
-    ap.add_argument("--skip-identity", action="store_true", help="skip case 1 (tests/test_pipeline_gpu.py covers it)")
+    ap.add_argument("--skip-identity", action="store_true", help="skip case 1 (tests/run/test_pipeline_gpu.py covers it)")
     ap.add_argument("--rounds", type=int, default=1, help="cp / convert pairs, alternating (each its own ratio)")
     ap.add_argument("--skip-verify", action="store_true", help="time only `--no-verify` conversions")
     ap.add_argument("--warmup", action="store_true",

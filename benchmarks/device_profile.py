@@ -148,7 +148,7 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from gen_checkpoint import generate, warm
 
-    from mxfp4conv.pipeline import ConvertOptions, convert
+    from mxfp4conv.run.pipeline import ConvertOptions, convert
 
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)

@@ -30,7 +30,7 @@ import torch  # noqa: F401  (imported before instrumentation: torch itself is no
 
 with atheris.instrument_imports(include=["mxfp4conv"]):
     from mxfp4conv.errors import InputError
-    from mxfp4conv.io.safetensors_io import DTYPES, read_header
+    from mxfp4conv.files.safetensors import DTYPES, read_header
 
 _DIR = Path(tempfile.mkdtemp(prefix="fuzz-header-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
 _PATH = _DIR / "input.safetensors"

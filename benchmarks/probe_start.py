@@ -26,7 +26,7 @@ _CASES = {
     "torch": "import torch",
     "torch_cuda": "import torch\nmark('import')\ntorch.cuda.init()\nmark('init')\n"
                   "torch.empty(1, device='cuda')\ntorch.cuda.synchronize()\nmark('context')",
-    "warm_driver": "from mxfp4conv.io.cuda_driver import start_driver\nwarm = start_driver(0)\n"
+    "warm_driver": "from mxfp4conv.device.cuda_driver import start_driver\nwarm = start_driver(0)\n"
                    "import torch\nmark('import')\nwarm.join()\nmark('driver_joined')\ntorch.cuda.init()\nmark('init')\n"
                    "torch.empty(1, device='cuda')\ntorch.cuda.synchronize()\nmark('context')",
     "key": "import torch\nimport triton\nmark('triton')\nfrom triton.runtime.cache import triton_key\ntriton_key()\n"

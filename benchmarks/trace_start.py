@@ -45,12 +45,12 @@ MILESTONES = {
 # module -> functions wrapped (attribute, event label) once the module is imported
 _PATCH = {
     "mxfp4conv.kernels.requant_triton": [("_jit", "_jit"), ("requant_rows_into", "kernel")],
-    "mxfp4conv.pipeline": [("_write_all", "_write_all"), ("prepare", "prepare"), ("resolve_device", "resolve_device")],
-    "mxfp4conv.units": [("_read", "unit_read"), ("_transform_on", "transform_on")],
-    "mxfp4conv.io.device_write": [("write_device", "write_device"), ("gather", "gather")],
-    "mxfp4conv.io.device_read": [("read_to_device", "read_to_device")],
+    "mxfp4conv.run.pipeline": [("_write_all", "_write_all"), ("prepare", "prepare"), ("resolve_device", "resolve_device")],
+    "mxfp4conv.numerics.units": [("_read", "unit_read"), ("_transform_on", "transform_on")],
+    "mxfp4conv.device.device_write": [("write_device", "write_device"), ("gather", "gather")],
+    "mxfp4conv.files.device_read": [("read_to_device", "read_to_device")],
 }
-_IMPORTS = {"torch", "numpy", "triton", "mxfp4conv.cli", "mxfp4conv.requant", "mxfp4conv.kernels._requant_triton_jit"}
+_IMPORTS = {"torch", "numpy", "triton", "mxfp4conv.cli", "mxfp4conv.numerics.requant", "mxfp4conv.kernels._requant_triton_jit"}
 
 
 def child(trace: str, t0: float, argv: list[str]) -> None:

@@ -51,19 +51,19 @@ __all__ = [
 
 # name -> the module that defines it (imported on first access)
 _LAZY = {
-    "ConvertOptions": "mxfp4conv.pipeline",
-    "ConvertReport": "mxfp4conv.pipeline",
-    "convert": "mxfp4conv.pipeline",
-    "InspectReport": "mxfp4conv.inspect",
-    "inspect_checkpoint": "mxfp4conv.inspect",
-    "VerifyReport": "mxfp4conv.verify",
-    "verify_output": "mxfp4conv.verify",
+    "ConvertOptions": "mxfp4conv.run.pipeline",
+    "ConvertReport": "mxfp4conv.run.pipeline",
+    "convert": "mxfp4conv.run.pipeline",
+    "InspectReport": "mxfp4conv.plan.inspect",
+    "inspect_checkpoint": "mxfp4conv.plan.inspect",
+    "VerifyReport": "mxfp4conv.proof.verify",
+    "verify_output": "mxfp4conv.proof.verify",
 }
 
 if TYPE_CHECKING:
-    from mxfp4conv.inspect import InspectReport, inspect_checkpoint
-    from mxfp4conv.pipeline import ConvertOptions, ConvertReport, convert
-    from mxfp4conv.verify import VerifyReport, verify_output
+    from mxfp4conv.plan.inspect import InspectReport, inspect_checkpoint
+    from mxfp4conv.proof.verify import VerifyReport, verify_output
+    from mxfp4conv.run.pipeline import ConvertOptions, ConvertReport, convert
 
 
 def __getattr__(name: str) -> Any:

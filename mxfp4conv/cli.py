@@ -99,7 +99,7 @@ def inspect_cmd(src: str, revision: str | None, as_json: bool, debug: bool) -> N
       mxfp4conv inspect ./Qwen3-30B-A3B-MXFP4A16
       mxfp4conv inspect openai/gpt-oss-20b --json
     """
-    from mxfp4conv.inspect import inspect_checkpoint
+    from mxfp4conv.plan.inspect import inspect_checkpoint
 
     def run() -> int:
         report = inspect_checkpoint(src, revision)
@@ -204,8 +204,8 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
       mxfp4conv convert ./src ./out --ray 10.0.0.1:6379   # on a Ray cluster sharing a filesystem
       mxfp4conv convert ./gpt-oss-20b ./out --to quark --push-to-hub my-org/gpt-oss-20b-quark --private
     """
-    from mxfp4conv.pipeline import ConvertOptions, ConvertReport, convert
-    from mxfp4conv.writers.base import TargetOptions
+    from mxfp4conv.run.pipeline import ConvertOptions, ConvertReport, convert
+    from mxfp4conv.targets.base import TargetOptions
 
     def run() -> int:
         if ray_address is not None:
@@ -220,7 +220,13 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
                               verify=not no_verify, skip_if_current=skip_if_current, revision=revision, stream=stream, target_options=topts,
                               resume=resume, partition=_partition(partition), finish=finish,
                               devices=_device_list(devices), base_model=base_model)
-        from mxfp4conv.push import PushOptions, ShardUploader, current_output, partition_push, push_output
+        from mxfp4conv.publish.push import (
+            PushOptions,
+            ShardUploader,
+            current_output,
+            partition_push,
+            push_output,
+        )
 
         push = PushOptions.from_cli(push_to_hub, private, push_revision, commit_message, opts)
         shown = not as_json and sys.stderr.isatty()
@@ -232,7 +238,7 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
         # with --push-to-hub, a DST that already holds this conversion is pushed as it is (a push run again)
         report: ConvertReport | None = current_output(src, dst, opts) if push is not None else None
         if report is None and ray_address is not None:  # the units run on Ray's workers: this process only drives them
-            from mxfp4conv.ray_runner import convert_on_ray
+            from mxfp4conv.publish.ray_runner import convert_on_ray
 
             try:
                 report = convert_on_ray(src, dst, opts, ray_address, on_progress=bar)
@@ -406,7 +412,7 @@ def _render_convert(doc: dict[str, Any]) -> None:
 
 def _render_requant(stats: dict[str, dict[str, Any]]) -> None:
     """One summary of the requantized tensors (every tensor: --json, the manifest, DST/README.md)."""
-    from mxfp4conv.card import requant_summary, sqnr_text
+    from mxfp4conv.run.card import requant_summary, sqnr_text
 
     s = requant_summary(stats)
     if s is None:
@@ -424,7 +430,7 @@ def _render_requant(stats: dict[str, dict[str, Any]]) -> None:
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def verify_cmd(src: str, dst: str, device: str, as_json: bool, debug: bool) -> None:
     """Prove DST (written by convert) against SRC, byte for byte; exit 3 on any difference."""
-    from mxfp4conv.verify import verify_output
+    from mxfp4conv.proof.verify import verify_output
 
     def run() -> int:
         report = verify_output(src, dst, raise_on_failure=False, device=_device(device))

@@ -1,6 +1,6 @@
 """The independent oracle (tests/oracle.py) against the producers' own dequantization, and the
 conversion of every examples/tiny.py layout against it: what the proof cannot see, because it reads
-the source with the same layout code as the conversion. tests/test_real_families.py runs the same
+the source with the same layout code as the conversion. tests/cli/test_real_families.py runs the same
 comparison over every replica family (including quark-mxfp4, quark-nvfp4 and deepseek-v4-mxfp4)."""
 
 from __future__ import annotations

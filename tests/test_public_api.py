@@ -29,6 +29,6 @@ def test_unknown_name_is_an_attribute_error() -> None:
 
 def test_import_is_light() -> None:
     code = ("import sys, mxfp4conv; from mxfp4conv import ConvertError, __version__; "
-            "print(sorted(m for m in ('torch', 'mxfp4conv.pipeline', 'click') if m in sys.modules))")
+            "print(sorted(m for m in ('torch', 'mxfp4conv.run.pipeline', 'click') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

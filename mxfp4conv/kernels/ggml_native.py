@@ -4,7 +4,7 @@
 compare both) about ten times faster: the torch path makes several passes and writes 17-byte blocks through
 strided views, the C one reads and writes each byte once (SSE2 on x86-64). ctypes releases the GIL during
 the call, so the conversion's worker threads re-lay out units in parallel. The build is the other native
-kernels' (``mxfp4conv.cbuild``); ``MXFP4CONV_CPU_KERNEL=torch`` selects the torch path, as for requantization.
+kernels' (``mxfp4conv.files.cbuild``); ``MXFP4CONV_CPU_KERNEL=torch`` selects the torch path, as for requantization.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mxfp4conv.cbuild import build_shared_library
+from mxfp4conv.files.cbuild import build_shared_library
 
 if TYPE_CHECKING:
     import torch

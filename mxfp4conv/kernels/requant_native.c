@@ -1,5 +1,5 @@
 /* NVFP4 -> MXFP4 requantization of rows on the CPU: the row-level contract of docs/NUMERICS.md,
- * byte for byte and bit for bit the same as mxfp4conv.requant.requant_rows_cpu's torch path and the
+ * byte for byte and bit for bit the same as mxfp4conv.numerics.requant.requant_rows_cpu's torch path and the
  * GPU kernel. Built and loaded by mxfp4conv/kernels/requant_native.py (ctypes; it releases the GIL,
  * so Python threads run slabs of rows in parallel).
  *

@@ -5,7 +5,7 @@ holds no build, a compiler error); ``requant_rows_cpu`` then runs its torch path
 bytes and statistics (tests compare both). ``MXFP4CONV_CPU_KERNEL`` chooses: ``auto`` (default: the
 compiled kernel when it builds), ``native`` (it must build: failing to is an error), ``torch``.
 
-The build (``mxfp4conv.cbuild``) runs the C compiler (``$CC``, else ``cc`` / ``gcc`` / ``clang``) with ``-O2 -funroll-loops
+The build (``mxfp4conv.files.cbuild``) runs the C compiler (``$CC``, else ``cc`` / ``gcc`` / ``clang``) with ``-O2 -funroll-loops
 -ffp-contract=off`` (no fused multiply-adds: every operation rounds as the contract says; no
 ``-march=native``, so a build in a shared home directory runs on every node; on x86-64 the row function
 is built once per vector level and the CPU's is picked at load time) into a per-user cache
@@ -23,7 +23,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from mxfp4conv.cbuild import build_shared_library
+from mxfp4conv.files.cbuild import build_shared_library
 
 __all__ = ["CFLAGS", "NativeKernel", "build_error", "kernel_mode", "load"]
 

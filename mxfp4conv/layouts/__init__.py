@@ -9,7 +9,6 @@ quantization config, is reported as inferred.
 from __future__ import annotations
 
 from mxfp4conv.errors import InputError
-from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts import (
     ct_mxfp4,
     ct_nvfp4,
@@ -20,6 +19,7 @@ from mxfp4conv.layouts import (
     quark_nvfp4,
 )
 from mxfp4conv.layouts.base import Layout, Plan, Problem
+from mxfp4conv.sources.checkpoint import Checkpoint
 
 __all__ = ["LAYOUTS", "Layout", "Plan", "Problem", "detect_layout", "get_layout", "is_config_evidence"]
 

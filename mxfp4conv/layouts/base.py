@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     pass
 
-from mxfp4conv.canonical import Canonical, ModelFacts, UnitSpec
-from mxfp4conv.io.checkpoint import Checkpoint
-from mxfp4conv.precision import Declared, PrecisionModel
+from mxfp4conv.model.canonical import Canonical, ModelFacts, UnitSpec
+from mxfp4conv.model.precision import Declared, PrecisionModel
+from mxfp4conv.sources.checkpoint import Checkpoint
 
 __all__ = ["EXPERT_RE", "Layout", "Plan", "Problem", "config_facts", "expert_names", "natural_key", "text_config"]
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from mxfp4conv.canonical import ModelFacts
-from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts.base import config_facts, expert_names
-from mxfp4conv.precision import Declared, Precision, ct_group_precision
+from mxfp4conv.model.canonical import ModelFacts
+from mxfp4conv.model.precision import Declared, Precision, ct_group_precision
+from mxfp4conv.sources.checkpoint import Checkpoint
 
 FMT_KEY = "quantization_config.format"
 

@@ -6,11 +6,11 @@ transformers-v5 fused names (``experts.gate_up_proj_packed`` [E, 2I, H/2], gate 
 
 from __future__ import annotations
 
-from mxfp4conv.canonical import Canonical, FP4Weight, MoELayer, UnitSpec
-from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts import ct_common
 from mxfp4conv.layouts.base import Plan, Problem
 from mxfp4conv.layouts.split import LinearRoles, plan_split_layout, read_split_unit
+from mxfp4conv.model.canonical import Canonical, FP4Weight, MoELayer, UnitSpec
+from mxfp4conv.sources.checkpoint import Checkpoint
 
 NAME = "ct-mxfp4"
 CONFIG_FILES: tuple[str, ...] = ()

@@ -6,11 +6,11 @@ own values (canonical ``global_rows``).
 
 from __future__ import annotations
 
-from mxfp4conv.canonical import Canonical, UnitSpec
-from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts import ct_common
 from mxfp4conv.layouts.base import Plan
 from mxfp4conv.layouts.split import LinearRoles, plan_split_layout, read_split_unit
+from mxfp4conv.model.canonical import Canonical, UnitSpec
+from mxfp4conv.sources.checkpoint import Checkpoint
 
 NAME = "ct-nvfp4"
 CONFIG_FILES: tuple[str, ...] = ()

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import re
 
-from mxfp4conv.canonical import Canonical, UnitSpec
-from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts.base import Plan, config_facts
 from mxfp4conv.layouts.split import DEEPSEEK_V4_MXFP4, plan_split_layout, read_split_unit
-from mxfp4conv.precision import Declared
+from mxfp4conv.model.canonical import Canonical, UnitSpec
+from mxfp4conv.model.precision import Declared
+from mxfp4conv.sources.checkpoint import Checkpoint
 
 NAME = "deepseek-v4-mxfp4"
 CONFIG_FILES: tuple[str, ...] = ()

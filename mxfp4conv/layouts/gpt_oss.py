@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-from mxfp4conv.canonical import Canonical, FP4Weight, MoELayer, Passthrough, UnitSpec
 from mxfp4conv.errors import InputError
-from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts.base import Plan, Problem, config_facts, natural_key
-from mxfp4conv.precision import Declared, fnmatch_to_re
+from mxfp4conv.model.canonical import Canonical, FP4Weight, MoELayer, Passthrough, UnitSpec
+from mxfp4conv.model.precision import Declared, fnmatch_to_re
+from mxfp4conv.sources.checkpoint import Checkpoint
 
 NAME = "gpt-oss"
 CONFIG_FILES: tuple[str, ...] = ()

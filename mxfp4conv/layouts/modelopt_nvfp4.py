@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from mxfp4conv.canonical import Canonical, UnitSpec
 from mxfp4conv.errors import InputError
-from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts.base import Plan, config_facts, expert_names
 from mxfp4conv.layouts.split import DEEPSEEK_V4_MXFP4, LinearRoles, plan_split_layout, read_split_unit
-from mxfp4conv.precision import Declared, Precision
+from mxfp4conv.model.canonical import Canonical, UnitSpec
+from mxfp4conv.model.precision import Declared, Precision
+from mxfp4conv.sources.checkpoint import Checkpoint
 
 NAME = "modelopt-nvfp4"
 CONFIG_FILES: tuple[str, ...] = ("hf_quant_config.json",)

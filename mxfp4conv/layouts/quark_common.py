@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mxfp4conv.io.checkpoint import Checkpoint
-from mxfp4conv.precision import Declared, Precision, quark_spec_precision
+from mxfp4conv.model.precision import Declared, Precision, quark_spec_precision
+from mxfp4conv.sources.checkpoint import Checkpoint
 
 
 def qconfig(ckpt: Checkpoint) -> dict[str, Any]:

@@ -6,11 +6,11 @@ compressed-tensors MXFP4 under other names. Experts use the model's split names.
 
 from __future__ import annotations
 
-from mxfp4conv.canonical import Canonical, UnitSpec
-from mxfp4conv.io.checkpoint import Checkpoint
 from mxfp4conv.layouts import quark_common
 from mxfp4conv.layouts.base import Plan, Problem, config_facts, expert_names
 from mxfp4conv.layouts.split import LinearRoles, plan_split_layout, read_split_unit
+from mxfp4conv.model.canonical import Canonical, UnitSpec
+from mxfp4conv.sources.checkpoint import Checkpoint
 
 NAME = "quark-mxfp4"
 CONFIG_FILES: tuple[str, ...] = ()

@@ -16,11 +16,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-from mxfp4conv.canonical import Canonical, DenseFP4, FP4Weight, ModelFacts, MoELayer, Passthrough, UnitSpec
 from mxfp4conv.errors import InputError
-from mxfp4conv.io.checkpoint import Checkpoint
-from mxfp4conv.io.safetensors_io import TensorRef, read_many, tensor_view
+from mxfp4conv.files.safetensors import TensorRef, read_many, tensor_view
 from mxfp4conv.layouts.base import EXPERT_RE, Plan, Problem, natural_key
+from mxfp4conv.model.canonical import (
+    Canonical,
+    DenseFP4,
+    FP4Weight,
+    ModelFacts,
+    MoELayer,
+    Passthrough,
+    UnitSpec,
+)
+from mxfp4conv.sources.checkpoint import Checkpoint
 
 __all__ = ["DEEPSEEK_V4_MXFP4", "LinearRoles", "expert_group", "plan_split_layout", "read_split_unit"]
 
@@ -331,14 +339,14 @@ def stack_plan(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[int
 def _stack_into(ckpt: Checkpoint, refs: list[TensorRef], num: int, rows: list[int], device: str | None,
                 reads: list[tuple[TensorRef, memoryview]] | None = None) -> torch.Tensor:
     """uint8 ``[num, sum(rows), cols]`` from 2-D one-byte tensors (``stack_plan``). On ``device``
-    (CUDA) when given, read there through small pinned buffers (``io/device_read``); ``reads``: a
+    (CUDA) when given, read there through small pinned buffers (``files/device_read``); ``reads``: a
     host stack's reads are queued there, not made."""
     import torch
 
     shape, at = stack_plan(ckpt, refs, num, rows)
     out = torch.empty(shape, dtype=torch.uint8, device=device)
     if device is not None:
-        from mxfp4conv.io.device_read import read_to_device
+        from mxfp4conv.files.device_read import read_to_device
 
         read_to_device(at, out)
     else:
@@ -390,7 +398,7 @@ def read_split_unit(ckpt: Checkpoint, spec: UnitSpec, roles: LinearRoles, *, dev
         bias = t[f"{spec.key}.bias"].load() if spec.has_bias else None
         return DenseFP4(spec.key, one, bias)
     # host stacks are read in one call: the unit's tensors follow each other in its shard, and
-    # ranges next to each other are read together (``safetensors_io.runs``)
+    # ranges next to each other are read together (``files/safetensors.runs``)
     reads: list[tuple[TensorRef, memoryview]] | None = [] if device is None else None
     w13 = _weight(ckpt, groups["w13"], roles, device, reads)  # gate rows, then up rows
     down = _weight(ckpt, groups["w2"], roles, device, reads)

@@ -27,10 +27,10 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from mxfp4conv.errors import InputError
-from mxfp4conv.inspect import analyze, writer_context
-from mxfp4conv.io.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
-from mxfp4conv.io.safetensors_io import DTYPES, TensorRef, read_header, st_dtype
-from mxfp4conv.writers import TARGETS, valid_targets
+from mxfp4conv.files.safetensors import DTYPES, TensorRef, read_header, st_dtype
+from mxfp4conv.plan.inspect import analyze, writer_context
+from mxfp4conv.sources.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
+from mxfp4conv.targets import TARGETS, valid_targets
 
 SCALE = int(os.environ.get("HOSTILE_FUZZ_SCALE", "1"))
 

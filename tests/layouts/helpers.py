@@ -7,8 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mxfp4conv.io.checkpoint import Checkpoint, open_checkpoint
 from mxfp4conv.layouts import LAYOUTS
+from mxfp4conv.sources.checkpoint import Checkpoint, open_checkpoint
 from tests import builders
 
 Source = Callable[[str], Path]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mxfp4conv.io.checkpoint import open_checkpoint
 from mxfp4conv.layouts.base import config_facts, expert_names
+from mxfp4conv.sources.checkpoint import open_checkpoint
 from tests import builders
 
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from mxfp4conv.io.checkpoint import open_checkpoint
 from mxfp4conv.layouts import ct_common, ct_mxfp4
+from mxfp4conv.sources.checkpoint import open_checkpoint
 from tests import builders
 from tests.layouts.helpers import edit_config
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mxfp4conv.canonical import MoELayer
-from mxfp4conv.inspect import analyze
-from mxfp4conv.io.checkpoint import open_checkpoint
 from mxfp4conv.layouts import deepseek_v4, detect_layout
-from mxfp4conv.precision import Fp8Linear
+from mxfp4conv.model.canonical import MoELayer
+from mxfp4conv.model.precision import Fp8Linear
+from mxfp4conv.plan.inspect import analyze
+from mxfp4conv.sources.checkpoint import open_checkpoint
 from tests import builders
 from tests.layouts.helpers import ALL_SOURCES, Source, detections
 

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from mxfp4conv.errors import InputError
-from mxfp4conv.io.checkpoint import open_checkpoint
 from mxfp4conv.layouts import LAYOUTS, detect_layout, get_layout, is_config_evidence
+from mxfp4conv.sources.checkpoint import open_checkpoint
 from tests import builders
 from tests.layouts.helpers import ALL_SOURCES, Source, edit_config
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mxfp4conv.canonical import MoELayer
 from mxfp4conv.errors import InputError
-from mxfp4conv.io.checkpoint import open_checkpoint
 from mxfp4conv.layouts import gpt_oss
-from mxfp4conv.precision import matches
+from mxfp4conv.model.canonical import MoELayer
+from mxfp4conv.model.precision import matches
+from mxfp4conv.sources.checkpoint import open_checkpoint
 from tests import builders
 from tests.layouts.helpers import ALL_SOURCES, Source, detections, edit_config
 

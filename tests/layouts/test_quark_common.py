@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mxfp4conv.io.checkpoint import open_checkpoint
 from mxfp4conv.layouts import quark_common
+from mxfp4conv.sources.checkpoint import open_checkpoint
 from tests import builders
 from tests.layouts.helpers import Source
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mxfp4conv.canonical import MoELayer
-from mxfp4conv.io.checkpoint import open_checkpoint
 from mxfp4conv.layouts import quark_nvfp4
+from mxfp4conv.model.canonical import MoELayer
+from mxfp4conv.sources.checkpoint import open_checkpoint
 from tests import builders
 from tests.layouts.helpers import ALL_SOURCES, Source, detections
 

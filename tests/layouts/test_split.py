@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from mxfp4conv.canonical import DenseFP4
 from mxfp4conv.errors import InputError
-from mxfp4conv.io.checkpoint import open_checkpoint
 from mxfp4conv.layouts import ct_mxfp4, ct_nvfp4
 from mxfp4conv.layouts.base import Plan
+from mxfp4conv.model.canonical import DenseFP4
+from mxfp4conv.sources.checkpoint import open_checkpoint
 from tests import builders
 
 CT_MX = builders.tiny._ct_qconfig("mxfp4-pack-quantized", ["lm_head"])

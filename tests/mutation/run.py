@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 # the tests that hold the source's reading against an independent oracle (tests/oracle.py)
-ORACLE_TESTS = ("tests/test_oracle.py", "tests/test_real_families.py::test_convert_keeps_the_values_the_source_means")
+ORACLE_TESTS = ("tests/test_oracle.py", "tests/cli/test_real_families.py::test_convert_keeps_the_values_the_source_means")
 # vLLM's loaded parameters against a reference made from the source by the oracle, on every host
 SERVING_TESTS = ("tests/serving/test_vllm_cpu.py",)
 

@@ -87,7 +87,7 @@ def session_cache() -> dict[Any, Any]:
 def converted(tmp_path_factory: pytest.TempPathFactory, fixture_path: Callable[[str], Path],
               session_cache: dict[Any, Any]) -> Callable[..., tuple[Path, Any]]:
     """convert(fixture, target) once per session -> (output dir, ConvertReport)."""
-    from mxfp4conv.pipeline import ConvertOptions, convert
+    from mxfp4conv.run.pipeline import ConvertOptions, convert
 
     def run(name: str, target: str, **opts: Any) -> tuple[Path, Any]:
         key = ("convert", name, target, tuple(sorted(opts.items())))

@@ -39,7 +39,7 @@ from click.testing import CliRunner
 
 from mxfp4conv.cli import cli
 from mxfp4conv.errors import InputError
-from mxfp4conv.inspect import inspect_checkpoint
+from mxfp4conv.plan.inspect import inspect_checkpoint
 from tests.producers.producers_lib import (
     assemble_state_dict,
     ct_dequantize,

@@ -1,0 +1,1 @@
+"""The CUDA driver's start, pinned host buffers, device tensors written out to shards."""

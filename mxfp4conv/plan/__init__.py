@@ -1,0 +1,1 @@
+"""Planning: SRC inspected, its units and shards planned into the job convert and verify start from."""

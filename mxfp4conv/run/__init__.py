@@ -1,0 +1,1 @@
+"""A conversion run: staging, the shards written and checked, the model card, the atomic publish into DST."""

@@ -1,0 +1,1 @@
+"""Tests of mxfp4conv/proof/."""

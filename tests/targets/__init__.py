@@ -1,0 +1,1 @@
+"""One test module per output target (mxfp4conv/targets/)."""

@@ -1,1 +1,0 @@
-"""One test module per output target (mxfp4conv/writers/)."""
