@@ -1,13 +1,17 @@
-"""``--to mlx`` of a lossless source against ``cp -r`` + ``sync`` of the same files (target: at most 1.15x).
+"""``--to mlx`` or ``--to gguf`` of a lossless source against ``cp -r`` + ``sync`` of the same files (target: at
+most 1.15x).
 
 A generated Qwen3-30B-A3B-shaped ct-mxfp4 checkpoint (``gen_checkpoint.py``: 128 experts of hidden 2048,
-intermediate 768; 13 layers = 4.2 GB), warm page cache. Each round runs, one after the other: the copy,
-``--to mlx`` (the default command, which verifies), ``--to mlx --no-verify``, and ``--to quark`` (the
-existing lossless rename, as a yardstick measured under the same load); each convert is a ratio to its
-round's copy and the medians are the figures. The MLX output stacks each projection's experts by
-copying their source ranges one after the other, so no tensor is decoded. Prints one JSON line per case.
+intermediate 768; 13 layers = 4.2 GB; for ``gguf`` a byte-level BPE tokenizer of the embedding's 1024 rows is
+added, as llama.cpp needs one), warm page cache. Each round runs, one after the other: the copy, the target
+(the default command, which verifies), the target with ``--no-verify``, and ``--to quark`` (the lossless
+rename, as a yardstick measured under the same load); each convert is a ratio to its round's copy and the
+medians are the figures. The MLX output stacks each projection's experts by copying their source ranges one
+after the other, so no tensor is decoded; the GGUF output re-lays every MXFP4 block out (17 bytes: scale,
+then the codes in GGML's nibble order) and its proof decodes them back. Prints one JSON line per case.
 
-    python benchmarks/bench_mlx.py --work /tmp/mxbench-mlx --layers 13 --rounds 5
+    python benchmarks/bench_targets.py --to mlx --work /tmp/mxbench-mlx --layers 13 --rounds 5
+    python benchmarks/bench_targets.py --to gguf --layers 13 --rounds 5
 """
 
 from __future__ import annotations
@@ -23,16 +27,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests.gguf_runtime (the GGUF case's tokenizer)
 import bench_convert
 
 
-def _round(src: Path, work: Path) -> dict[str, float]:
+def _round(src: Path, work: Path, target: str) -> dict[str, float]:
     subprocess.run(["sync"], check=True)
     t_cp, _ = bench_convert.timed(["cp", "-r", str(src), str(work / "cp")])
     t_sync, _ = bench_convert.timed(["sync"])
     shutil.rmtree(work / "cp")
     out = {"cp_s": t_cp + t_sync}
-    for case, flags in (("mlx", ["--to", "mlx"]), ("mlx_no_verify", ["--to", "mlx", "--no-verify"]),
+    for case, flags in ((target, ["--to", target]), (f"{target}_no_verify", ["--to", target, "--no-verify"]),
                         ("quark", ["--to", "quark"])):
         shutil.rmtree(work / "out", ignore_errors=True)
         subprocess.run(["sync"], check=True)
@@ -42,9 +47,22 @@ def _round(src: Path, work: Path) -> dict[str, float]:
     return out
 
 
+def _add_tokenizer(src: Path) -> None:
+    """A byte-level BPE tokenizer with one token per embedding row (the generated config says 256)."""
+    import json
+
+    from tests.gguf_runtime.gguf_cases import add_bpe_tokenizer
+
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["vocab_size"] = 1024  # gen_checkpoint.py's embedding rows
+    (src / "config.json").write_text(json.dumps(cfg, indent=2))
+    add_bpe_tokenizer(src, 1024)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--work", type=Path, default=Path("/tmp/mxfp4conv-bench-mlx"))
+    ap.add_argument("--to", dest="target", choices=["mlx", "gguf"], default="mlx")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/mxfp4conv-bench-targets"))
     ap.add_argument("--layers", type=int, default=13, help="qwen3-like layers (13 = 4.2 GB)")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
@@ -53,17 +71,20 @@ def main() -> None:
     bench_convert.emit("machine", host=platform.node(), cpus=os.cpu_count(), python=platform.python_version(),
                        date=time.strftime("%Y-%m-%d"), load_avg=os.getloadavg())
     src = bench_convert.generate(args.work / "src", "ct-mxfp4", args.layers)
+    if args.target == "gguf":
+        _add_tokenizer(src)
     bench_convert.warm(src)
-    subprocess.run([bench_convert.PY, "-m", "mxfp4conv", "convert", str(src), str(args.work / "out"), "--to", "mlx"],
+    subprocess.run([bench_convert.PY, "-m", "mxfp4conv", "convert", str(src), str(args.work / "out"), "--to", args.target],
                    check=True, capture_output=True)  # untimed: both tools then start warm
     shutil.rmtree(args.work / "out")
-    runs = [_round(src, args.work) for _ in range(args.rounds)]
+    runs = [_round(src, args.work, args.target) for _ in range(args.rounds)]
 
     def med(key: str) -> float:
         return round(statistics.median(r[key] for r in runs), 2)
 
-    bench_convert.emit("lossless ct-mxfp4 -> mlx", gb=round(bench_convert.size(src) / 1e9, 2), rounds=args.rounds,
-                       ratio_vs_cp=med("mlx_ratio"), no_verify_ratio_vs_cp=med("mlx_no_verify_ratio"),
+    t = args.target
+    bench_convert.emit(f"lossless ct-mxfp4 -> {t}", gb=round(bench_convert.size(src) / 1e9, 2), rounds=args.rounds,
+                       ratio_vs_cp=med(f"{t}_ratio"), no_verify_ratio_vs_cp=med(f"{t}_no_verify_ratio"),
                        quark_ratio_vs_cp=med("quark_ratio"),
                        rounds_detail=[{k: round(v, 2) for k, v in r.items()} for r in runs],
                        load_avg_after=os.getloadavg())

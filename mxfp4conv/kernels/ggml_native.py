@@ -20,7 +20,7 @@ from mxfp4conv.files.cbuild import build_shared_library
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["from_ggml_mxfp4", "native", "to_ggml_mxfp4"]
+__all__ = ["differs", "from_ggml_mxfp4", "native", "to_ggml_mxfp4"]
 
 CFLAGS = ("-O2", "-std=c99", "-shared", "-fPIC")
 _SOURCE = Path(__file__).with_name("ggml_native.c")
@@ -46,6 +46,8 @@ def native() -> ctypes.CDLL | None:
             lib.mxfp4conv_ocp_to_ggml.restype = None
             lib.mxfp4conv_ggml_to_ocp.argtypes = [p, p, p, i64]
             lib.mxfp4conv_ggml_to_ocp.restype = None
+            lib.mxfp4conv_ggml_differs.argtypes = [p, p, i64, i64, p, i64, i64, i64, i64, i64]
+            lib.mxfp4conv_ggml_differs.restype = i64
             _lib = lib
     return _lib
 
@@ -100,3 +102,22 @@ def from_ggml_mxfp4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty((*lead, nb), dtype=torch.uint8)
     lib.mxfp4conv_ggml_to_ocp(blocks.data_ptr(), packed.data_ptr(), scales.data_ptr(), blocks.numel() // ggml.BLOCK_BYTES)
     return packed, scales
+
+
+def differs(blocks: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> int | None:
+    """The first row whose GGML blocks do not decode to ``packed`` / ``scales`` (the OCP form), or None: the
+    decode of ``from_ggml_mxfp4`` and a comparison, in one pass without a buffer (torch's path: decoded, then
+    compared)."""
+    lib = native()
+    pr, sr = _rows(packed), _rows(scales)
+    nb = scales.shape[-1]
+    if blocks.shape[:-1] != packed.shape[:-1] or blocks.shape[-1] != nb * 17 or packed.shape[-1] != nb * 16:
+        return 0
+    if lib is None or pr is None or sr is None or not blocks.is_contiguous() or blocks.device.type != "cpu" or (
+            packed.device.type != "cpu"):
+        got_p, got_s = from_ggml_mxfp4(blocks)
+        rows = ((got_p != packed).any(-1) | (got_s != scales).any(-1)).reshape(-1).nonzero()
+        return int(rows[0]) if len(rows) else None
+    at = lib.mxfp4conv_ggml_differs(blocks.data_ptr(), packed.data_ptr(), pr[1], pr[3], scales.data_ptr(), sr[1],
+                                    sr[3], pr[0], pr[2], nb)
+    return None if at < 0 else int(at)

@@ -499,6 +499,8 @@ class GgufTarget(Target):
 
         if self._dropped(spec, ctx):
             return []  # nothing written, nothing to compare
+        if isinstance(want, MoELayer | DenseFP4) and not ctx.target_options.keep_nvfp4:
+            return self._verify_mxfp4(want, spec, ctx, get)
         if not isinstance(want, Passthrough) or self._mla(spec, ctx) or (
                 self._out_dtype(spec, ctx) == ctx.passthrough_dtypes[spec.key][0]):
             return None
@@ -508,6 +510,34 @@ class GgufTarget(Target):
                                                                                   ref.view(torch.int32)):
             return [{"tensor": name, "message": "F32 values differ from the source's"}]
         return []
+
+    def _verify_mxfp4(self, want: MoELayer | DenseFP4, spec: UnitSpec, ctx: WriterContext, get: Getter
+                      ) -> list[dict[str, str]]:
+        """``decode`` and the comparison in one pass per tensor (``ggml_native.differs``: each block decoded in
+        registers, no decoded copy), biases compared bit for bit."""
+        import torch
+
+        from mxfp4conv.kernels.ggml_native import differs
+
+        outs = self.out_specs(spec, ctx)
+        if isinstance(want, MoELayer):
+            i = want.w13.packed.shape[1] // 2
+            parts = [(want.w13, slice(0, i)), (want.w13, slice(i, 2 * i)), (want.w2, slice(None))]
+            weights = [(w.packed[:, r], w.scales[:, r]) for w, r in parts]
+            biases = [] if want.w13_bias is None or want.w2_bias is None else [
+                want.w13_bias[:, :i], want.w13_bias[:, i:], want.w2_bias]
+        else:
+            weights = [(want.weight.packed, want.weight.scales)]
+            biases = [] if want.bias is None else [want.bias]
+        found = []
+        for o, (packed, scales) in zip(outs, weights, strict=False):
+            if (row := differs(get(o.name), packed, scales)) is not None:
+                found.append({"tensor": o.name, "message": f"{spec.key}: MXFP4 blocks of row {row} differ from the source's"})
+        for o, b in zip(outs[len(weights):], biases, strict=True):
+            got = get(o.name)
+            if got.dtype != torch.float32 or not torch.equal(got, b.float()) or not torch.equal(got.to(b.dtype), b):
+                found.append({"tensor": o.name, "message": "F32 values differ from the source's"})
+        return found
 
     def config(self, src_config: dict[str, object], ctx: WriterContext) -> dict[str, object]:
         """The metadata written into the GGUF, as its reader returns it (for the verify's comparison)."""

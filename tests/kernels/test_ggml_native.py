@@ -42,3 +42,21 @@ def test_mismatched_codes_and_scales_are_refused() -> None:
         ggml_native.to_ggml_mxfp4(torch.zeros(2, 32, dtype=torch.uint8), torch.zeros(2, 1, dtype=torch.uint8))
     with pytest.raises(ValueError, match="17-byte"):
         ggml_native.from_ggml_mxfp4(torch.zeros(2, 18, dtype=torch.uint8))
+
+
+def test_differs_finds_the_first_row_that_does_not_decode_to_the_source() -> None:
+    """The proof's one-pass comparison: None for the encoding of the source; the row of one changed code
+    nibble or scale byte; the same answers from the decode-then-compare path."""
+    g = torch.Generator().manual_seed(11)
+    packed = torch.randint(0, 256, (3, 8, 32), dtype=torch.uint8, generator=g)
+    scales = torch.randint(0, 255, (3, 8, 2), dtype=torch.uint8, generator=g)
+    rows = (slice(None), slice(0, 4))
+    blocks = ggml.to_ggml_mxfp4(packed[rows], scales[rows])
+    assert ggml_native.differs(blocks, packed[rows], scales[rows]) is None
+    for at in (1 + 17 + 5, 0, 2 * 4 * 34 + 17):  # a code byte of row 0's second block, a scale, row 8's first block
+        bad = blocks.clone().view(-1)
+        bad[at] ^= 0x10
+        row = at // 34
+        assert ggml_native.differs(bad.view_as(blocks), packed[rows], scales[rows]) == row
+        got_p, got_s = ggml.from_ggml_mxfp4(bad.view_as(blocks))
+        assert not (torch.equal(got_p, packed[rows].contiguous()) and torch.equal(got_s, scales[rows].contiguous()))
