@@ -131,6 +131,7 @@ def sources(root: Path) -> list[Case]:
     for layout in ("ct-mxfp4", "modelopt-nvfp4", "ct-nvfp4"):
         out[f"qwen3_moe-{layout}"] = (builders.build(layout, root / layout), "qwen3_moe")
     out["qwen3_moe-quark-mxfp4"] = (builders.quark_mxfp4(root / "quark-mxfp4"), "qwen3_moe")
+    out["qwen3_moe-quark-nvfp4"] = (builders.quark_nvfp4(root / "quark-nvfp4"), "qwen3_moe")
     out["qwen3_moe-autoround-mxfp4"] = (autoround_mxfp4(root / "autoround").path, "qwen3_moe")
     out["gpt_oss"] = (_with_yarn(builders.build("gpt-oss", root / "gpt-oss")), "gpt_oss")
     out["deepseek_v3-modelopt-nvfp4-r1"] = (deepseek.modelopt_nvfp4_r1(root / "r1").path, "deepseek_v3")
