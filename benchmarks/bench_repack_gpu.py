@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from mxfp4conv.formats import marlin as fm
+from mxfp4conv.formats import marlin_scales as fms
 
 
 def sizes(hidden: int, inter: int, tp: int) -> tuple[int, int]:
@@ -49,7 +50,7 @@ def repack_path(host: dict[str, torch.Tensor], e: int, hp: int, ip: int) -> dict
         per_expert = []
         for i in range(e):
             _ = scales[i].view(torch.float8_e8m0fnu).to(torch.bfloat16)  # vLLM goes through the params dtype
-            per_expert.append(fm.mxfp4_scales_to_marlin(scales[i]).view(torch.float8_e8m0fnu))
+            per_expert.append(fms.mxfp4_scales_to_marlin(scales[i]).view(torch.float8_e8m0fnu))
         out[f"{name}_weight_scale"] = torch.cat([x.unsqueeze(0) for x in per_expert])
     torch.cuda.synchronize()
     del w  # the layer's uint8 parameters are replaced only once every tensor is prepared
@@ -98,9 +99,9 @@ def main() -> None:
             "w2_weight": torch.randint(0, 256, (e, hp, ip // 2), dtype=torch.uint8, generator=g),
             "w2_weight_scale": torch.randint(118, 130, (e, hp, ip // 32), dtype=torch.uint8, generator=g)}
     ready = {"w13_weight": fm.repack_fp4_weight(ckpt["w13_weight"].cuda()).cpu(),
-             "w13_weight_scale": fm.mxfp4_scales_to_marlin(ckpt["w13_weight_scale"].cuda()).cpu().view(torch.float8_e8m0fnu),
+             "w13_weight_scale": fms.mxfp4_scales_to_marlin(ckpt["w13_weight_scale"].cuda()).cpu().view(torch.float8_e8m0fnu),
              "w2_weight": fm.repack_fp4_weight(ckpt["w2_weight"].cuda()).cpu(),
-             "w2_weight_scale": fm.mxfp4_scales_to_marlin(ckpt["w2_weight_scale"].cuda()).cpu().view(torch.float8_e8m0fnu)}
+             "w2_weight_scale": fms.mxfp4_scales_to_marlin(ckpt["w2_weight_scale"].cuda()).cpu().view(torch.float8_e8m0fnu)}
     ckpt = {k: v.pin_memory() for k, v in ckpt.items()}
     ready = {k: v.pin_memory() for k, v in ready.items()}
     # the prepared bytes are what vLLM's own repack produces

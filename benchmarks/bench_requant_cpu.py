@@ -28,7 +28,8 @@ import torch
 
 from mxfp4conv.formats.mxfp4 import ScaleRule
 from mxfp4conv.kernels import requant_native
-from mxfp4conv.numerics.requant import requant_rows_cpu, requant_rows_reference
+from mxfp4conv.numerics.requant_cpu import requant_rows_cpu
+from mxfp4conv.numerics.requant_stats import requant_rows_reference
 
 
 def make_rows(

@@ -1,6 +1,6 @@
 """Fused NVFP4 -> MXFP4 requant on a CUDA device (Triton), byte-identical to the CPU reference.
 
-``requant_rows`` has the signature and results of ``mxfp4conv.numerics.requant.requant_rows_cpu``
+``requant_rows`` has the signature and results of ``mxfp4conv.numerics.requant_cpu.requant_rows_cpu``
 (docs/NUMERICS.md is the contract): same packed bytes, same E8M0 bytes, same float64 row
 statistics, bit for bit. The kernel's design is in ``_requant_triton_jit``'s docstring. One Triton kernel per call; the Triton code lives in
 ``_requant_triton_jit`` and is imported on first use, so this module imports on a CPU-only

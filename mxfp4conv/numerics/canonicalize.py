@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mxfp4conv.numerics.requant import RequantStats
+    from mxfp4conv.numerics.requant_stats import RequantStats
 
 from mxfp4conv.model.canonical import Canonical, DenseFP4, FP4Weight, MoELayer
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mxfp4conv.numerics.requant import RequantStats
+    from mxfp4conv.numerics.requant_stats import RequantStats
 
 from mxfp4conv.errors import InputError
 from mxfp4conv.model.canonical import Canonical, FP4Weight

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 if TYPE_CHECKING:
     import torch
 
-    from mxfp4conv.numerics.requant import RequantStats
+    from mxfp4conv.numerics.requant_stats import RequantStats
     from mxfp4conv.run.pipeline import ConvertReport
 
 from mxfp4conv.errors import StagingError

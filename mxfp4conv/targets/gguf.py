@@ -4,7 +4,7 @@ Routed experts are stacked per projection (``blk.L.ffn_{gate,up,down}_exps.weigh
 bytes, GGML dims ``{K, N, E}``) and every FP4 Linear is one MXFP4 tensor: each 32-element block is the
 source's scale byte and its codes in GGML's nibble order (``formats/ggml.py``), so the values are the
 source's exactly (MXFP4) or the MXFP4 requantization every target writes (NVFP4). The other tensors are
-named as llama.cpp's converter names them (``ARCHS``) and kept in their dtype, but norms and other 1-D
+named as llama.cpp's converter names them (``gguf_arch.ARCHS``) and kept in their dtype, but norms and other 1-D
 tensors, biases and the router, which llama.cpp computes in F32 (they are widened exactly). The metadata
 is llama.cpp's: the architecture's hyper-parameters from config.json, the tokenizer (``gguf_vocab``) and
 ``general.*`` naming the source and mxfp4conv. ``--max-shard-size`` splits as ``llama-gguf-split`` does
@@ -14,9 +14,7 @@ is llama.cpp's: the architecture's hyper-parameters from config.json, the tokeni
 from __future__ import annotations
 
 import dataclasses
-import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -28,166 +26,18 @@ from mxfp4conv.files.safetensors import torch_dtype
 from mxfp4conv.model.canonical import Canonical, DenseFP4, FP4Weight, MoELayer, Passthrough, UnitSpec
 from mxfp4conv.sources.gguf import GGUF, KV, VType, mxfp4_row_bytes, nvfp4_row_bytes
 from mxfp4conv.targets.base import Getter, OutTensor, Split, Target, WriterContext
+from mxfp4conv.targets.gguf_arch import ARCHS, LAYER, Arch, expert_prefix, gguf_name, rope_config
 from mxfp4conv.targets.gguf_vocab import tokenizer_kvs, tokenizer_refusal
 from mxfp4conv.targets.layers import precision_refusal
 
-__all__ = ["ARCHS", "FILE_TYPE_MXFP4_MOE", "FILE_TYPE_NVFP4", "GgufTarget", "gguf_kvs"]
+__all__ = ["FILE_TYPE_MXFP4_MOE", "FILE_TYPE_NVFP4", "GgufTarget", "gguf_kvs"]
 
 FILE_TYPE_MXFP4_MOE = 38  # llama_ftype LLAMA_FTYPE_MOSTLY_MXFP4_MOE
 FILE_TYPE_NVFP4 = 39  # LLAMA_FTYPE_MOSTLY_NVFP4 (--keep-nvfp4)
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-
-@dataclass(frozen=True)
-class Arch:
-    """How llama.cpp names and reads one architecture."""
-
-    name: str  # general.architecture
-    layer_names: Mapping[str, str]  # HF suffix after "model.layers.L." -> GGUF suffix after "blk.L." (".weight"/".bias" kept)
-    hparams: Callable[[Mapping[str, Any]], list[KV]]
-    mla: bool = False  # kv_b_proj written as llama.cpp's MLA pair attn_k_b / attn_v_b
-    mtp: bool = False  # layers past num_hidden_layers are an MTP block llama.cpp's converter drops
-    nvfp4_scales: bool = False  # its graph multiplies NVFP4 weights by their per-tensor <name>.scale
-
-
-def _u32(k: str, v: Any) -> KV:
-    return KV(k, VType.UINT32, int(v))
-
-
-def _f32(k: str, v: Any) -> KV:
-    return KV(k, VType.FLOAT32, float(v))
-
-
-def _rope(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The RoPE parameters, from ``rope_parameters`` (transformers 5) or ``rope_theta`` / ``rope_scaling``."""
-    rope = cfg.get("rope_parameters")
-    out = dict(rope) if isinstance(rope, dict) else {}
-    if isinstance(cfg.get("rope_scaling"), dict):
-        out = {**cfg["rope_scaling"], **out}
-    if "rope_theta" in cfg:
-        out.setdefault("rope_theta", cfg["rope_theta"])
-    out.setdefault("rope_type", out.get("type", "default"))
-    return out
-
-
-def _common(cfg: Mapping[str, Any]) -> list[KV]:
-    """What llama.cpp's converter writes for every architecture here (its TextModel hyper-parameters)."""
-    rope = _rope(cfg)
-    out = [_u32("context_length", cfg.get("max_position_embeddings", 4096)),
-           _u32("embedding_length", cfg["hidden_size"]),
-           _u32("block_count", cfg["num_hidden_layers"]),
-           _u32("attention.head_count", cfg["num_attention_heads"]),
-           _u32("attention.head_count_kv", cfg.get("num_key_value_heads", cfg["num_attention_heads"])),
-           _f32("rope.freq_base", rope.get("rope_theta", 10000.0)),
-           _f32("attention.layer_norm_rms_epsilon", cfg.get("rms_norm_eps", 1e-6)),
-           _u32("expert_count", cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts", 0)))),
-           _u32("expert_used_count", cfg["num_experts_per_tok"])]
-    if rope["rope_type"] == "yarn":
-        out += [KV("rope.scaling.type", VType.STRING, "yarn"), _f32("rope.scaling.factor", rope["factor"]),
-                _u32("rope.scaling.original_context_length", rope["original_max_position_embeddings"])]
-        for hf, gg in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
-            if hf in rope:
-                out.append(_f32(f"rope.scaling.{gg}", rope[hf]))
-    elif rope["rope_type"] not in ("default", None):
-        raise ValueError(f"rope_type {rope['rope_type']!r}")  # refused at planning (``_rope_refusal``)
-    return out
-
-
-def _head_dim(cfg: Mapping[str, Any]) -> list[KV]:
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return [_u32("attention.key_length", head_dim), _u32("attention.value_length", head_dim)]
-
-
-def _qwen3moe(cfg: Mapping[str, Any]) -> list[KV]:
-    return [*_common(cfg), _u32("feed_forward_length", cfg.get("intermediate_size", cfg["moe_intermediate_size"])),
-            _u32("expert_feed_forward_length", cfg["moe_intermediate_size"]), *_head_dim(cfg)]
-
-
-def _gpt_oss(cfg: Mapping[str, Any]) -> list[KV]:
-    out = [*_common(cfg), _u32("feed_forward_length", cfg["intermediate_size"]),
-           _u32("expert_feed_forward_length", cfg["intermediate_size"]), *_head_dim(cfg),
-           _u32("attention.sliding_window", cfg["sliding_window"])]
-    types = cfg.get("layer_types")
-    if isinstance(types, list):  # which layers use the sliding window (llama.cpp's default: the even ones)
-        out.append(KV("attention.sliding_window_pattern", VType.ARRAY, [t == "sliding_attention" for t in types],
-                      VType.BOOL))
-    return out
-
-
-def _deepseek2(cfg: Mapping[str, Any]) -> list[KV]:
-    # MLA: llama.cpp caches the compressed KV (one "head" of kv_lora_rank + the rope part)
-    out = [kv for kv in _common(cfg) if kv.key != "attention.head_count_kv"]
-    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    out += [_u32("attention.head_count_kv", 1), _u32("feed_forward_length", cfg["intermediate_size"]),
-            _u32("leading_dense_block_count", cfg.get("first_k_dense_replace", 0)),
-            _u32("vocab_size", cfg["vocab_size"]),
-            _u32("attention.kv_lora_rank", cfg["kv_lora_rank"]),
-            _u32("attention.key_length", cfg["kv_lora_rank"] + rope),
-            _u32("attention.value_length", cfg["kv_lora_rank"]),
-            _u32("attention.key_length_mla", nope + rope), _u32("attention.value_length_mla", v),
-            _u32("expert_feed_forward_length", cfg["moe_intermediate_size"]),
-            _u32("expert_shared_count", cfg.get("n_shared_experts", 0)),
-            _f32("expert_weights_scale", cfg.get("routed_scaling_factor", 1.0)),
-            _u32("rope.dimension_count", rope)]
-    if cfg.get("q_lora_rank"):
-        out.append(_u32("attention.q_lora_rank", cfg["q_lora_rank"]))
-    if cfg.get("n_group") is not None:
-        out += [_u32("expert_group_count", cfg["n_group"]), _u32("expert_group_used_count", cfg["topk_group"])]
-    if cfg.get("norm_topk_prob"):
-        out.append(KV("expert_weights_norm", VType.BOOL, True))
-    out.append(_u32("expert_gating_func", {"softmax": 1, "sigmoid": 2}[cfg.get("scoring_func", "softmax")]))
-    rs = _rope(cfg)
-    if rs["rope_type"] == "yarn" and "mscale_all_dim" in rs:
-        out.append(_f32("rope.scaling.yarn_log_multiplier", 0.1 * float(rs["mscale_all_dim"])))
-    return out
-
-
-_NORMS = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight"}
-_QKVO = {f"self_attn.{hf}_proj.{p}": f"attn_{gg}.{p}" for hf, gg in (("q", "q"), ("k", "k"), ("v", "v"),
-                                                                         ("o", "output")) for p in ("weight", "bias")}
-_MLP = {f"mlp.{hf}_proj.weight": f"ffn_{hf}.weight" for hf in ("gate", "up", "down")}
-_SHARED = {f"mlp.shared_experts.{hf}_proj.weight": f"ffn_{hf}_shexp.weight" for hf in ("gate", "up", "down")}
-_MLA = {"self_attn.q_a_proj.weight": "attn_q_a.weight", "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
-        "self_attn.q_b_proj.weight": "attn_q_b.weight", "self_attn.q_proj.weight": "attn_q.weight",
-        "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
-        "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight", "self_attn.o_proj.weight": "attn_output.weight",
-        "self_attn.kv_b_proj.weight": "attn_k_b.weight"}  # and attn_v_b.weight (``_mla_split``)
-_EXPERTS = "mlp.experts"
-
-ARCHS: dict[str, Arch] = {
-    "qwen3_moe": Arch("qwen3moe", {**_NORMS, **_QKVO, "self_attn.q_norm.weight": "attn_q_norm.weight",
-                                   "self_attn.k_norm.weight": "attn_k_norm.weight",
-                                   "mlp.gate.weight": "ffn_gate_inp.weight"}, _qwen3moe, nvfp4_scales=True),
-    "gpt_oss": Arch("gpt-oss", {"input_layernorm.weight": "attn_norm.weight",
-                                "post_attention_layernorm.weight": "post_attention_norm.weight", **_QKVO,
-                                "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
-                                "mlp.router.bias": "ffn_gate_inp.bias"}, _gpt_oss),
-    "deepseek_v3": Arch("deepseek2", {**_NORMS, **_MLA, **_MLP, **_SHARED, "mlp.gate.weight": "ffn_gate_inp.weight",
-                                      "mlp.gate.e_score_correction_bias": "exp_probs_b.bias"},
-                        _deepseek2, mla=True, mtp=True),
-}
-ARCHS["kimi_k2"] = ARCHS["deepseek_v3"]
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
 _PROJ = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _F32_ALWAYS = ("ffn_gate_inp.weight", "attn_sinks.weight")  # what llama.cpp's converter keeps in F32 beyond 1-D
 _KV_SCALES = (".k_scale", ".v_scale")
-
-
-def gguf_name(name: str, arch: Arch) -> str | None:
-    """The GGUF name of a source tensor (or of an FP4 Linear's ``<module>.weight``), None if llama.cpp has none."""
-    if name in _GLOBAL:
-        return _GLOBAL[name]
-    m = _LAYER.match(name)
-    if m is None or m[2] not in arch.layer_names:
-        return None
-    return f"blk.{m[1]}.{arch.layer_names[m[2]]}"
-
-
-def _expert_prefix(key: str) -> str | None:
-    m = _LAYER.match(key)
-    return f"blk.{m[1]}" if m is not None and m[2] == _EXPERTS else None
 
 
 def provenance_kvs(ctx: WriterContext) -> list[KV]:
@@ -337,7 +187,7 @@ class GgufTarget(Target):
         arch = ARCHS[mt]
         if ctx.target_options.keep_nvfp4 and (why := _keep_refusal(ctx, arch)):
             return why
-        rope = _rope(ctx.src_config)["rope_type"]
+        rope = rope_config(ctx.src_config)["rope_type"]
         if rope not in ("default", "yarn", None):
             return f"config.json: rope_type {rope!r} is not one this target writes for llama.cpp (default, yarn)"
         for lin in ctx.precision.fp8.values():
@@ -353,7 +203,7 @@ class GgufTarget(Target):
         if self._dropped(u, ctx):
             return None
         if u.kind == "moe":
-            if _expert_prefix(u.key) is None:
+            if expert_prefix(u.key) is None:
                 return f"{u.key}: routed experts where llama.cpp's {arch.name} has none"
             if u.extra.get("fused") and ctx.facts.model_type != "gpt_oss":
                 return f"{u.key}: fused experts of {ctx.facts.model_type!r} are not converted to GGUF"
@@ -375,7 +225,7 @@ class GgufTarget(Target):
         and DeepSeek-V3's MTP layer (past num_hidden_layers; llama.cpp's converter drops it too)."""
         if spec.kind == "passthrough" and ctx.precision.kv_cache is not None and spec.key.endswith(_KV_SCALES):
             return True
-        layer = _LAYER.match(spec.key)
+        layer = LAYER.match(spec.key)
         return ARCHS[ctx.facts.model_type].mtp and layer is not None and int(layer[1]) >= ctx.facts.num_layers
 
     def _mla(self, spec: UnitSpec, ctx: WriterContext) -> bool:
@@ -414,7 +264,7 @@ class GgufTarget(Target):
         dtype, row_bytes = ("I8", nvfp4_row_bytes) if keep else ("U8", mxfp4_row_bytes)
         if spec.kind == "moe":
             e, h, i = spec.dims
-            blk = _expert_prefix(spec.key)
+            blk = expert_prefix(spec.key)
             out = [OutTensor(f"{blk}.{p}.weight", dtype, (e, n, row_bytes(k)))
                    for p, n, k in zip(_PROJ, (i, i, h), (h, h, i), strict=True)]
             if keep:

@@ -307,7 +307,7 @@ class MarlinTarget(Target):
         """Marlin MXFP4 -> canonical (inverse permutations, padding cropped); NVFP4 goes through verify_unit."""
         import torch
 
-        from mxfp4conv.formats import marlin as fm
+        from mxfp4conv.formats import marlin_scales as fms
         g = 32
         if spec.kind == "moe":
             h = spec.dims[1]
@@ -316,8 +316,8 @@ class MarlinTarget(Target):
             w13 = _unmarlin(get(f"{p}.w13_weight"), get(f"{p}.w13_weight_scale"), 2 * geo.ip, geo.hp, _a8(ctx))
             w2 = _unmarlin(get(f"{p}.w2_weight"), get(f"{p}.w2_weight_scale"), geo.hp, geo.ip, _a8(ctx))
             b13n, b2n = _bias_names(ctx)
-            b13 = fm.unpermute_bias(get(f"{p}.{b13n}")) if spec.has_bias else None
-            b2 = fm.unpermute_bias(get(f"{p}.{b2n}"))[:, :h] if spec.has_bias else None
+            b13 = fms.unpermute_bias(get(f"{p}.{b13n}")) if spec.has_bias else None
+            b2 = fms.unpermute_bias(get(f"{p}.{b2n}"))[:, :h] if spec.has_bias else None
             if geo.interleaved:
                 rows = slice(0, 2 * geo.rows)
                 w13 = _crop(w13, rows, h, g)
@@ -334,7 +334,7 @@ class MarlinTarget(Target):
             np_, kp = (n, k) if check_marlin_shape(n, k, g) is None else marlin_padded_nk(n, k, g)
             w = _crop(_unmarlin(get(f"{spec.key}.weight"), get(f"{spec.key}.weight_scale"), np_, kp, _a8(ctx)),
                       slice(0, n), k, g)
-            bias = fm.unpermute_bias(get(f"{spec.key}.bias"))[:n] if spec.has_bias else None
+            bias = fms.unpermute_bias(get(f"{spec.key}.bias"))[:n] if spec.has_bias else None
             return DenseFP4(spec.key, w, bias)
         return super().decode(spec, ctx, get)
 
@@ -392,5 +392,6 @@ def _unmarlin(weight: torch.Tensor, scale: torch.Tensor, n: int, k: int, a8: boo
     import torch
 
     from mxfp4conv.formats import marlin as fm
+    from mxfp4conv.formats import marlin_scales as fms
     packed = fm.unrepack_fp4_weight(weight, n, k, a8=a8)
-    return FP4Weight("mxfp4", packed, fm.mxfp4_scales_from_marlin(scale.view(torch.uint8), a8=a8))
+    return FP4Weight("mxfp4", packed, fms.mxfp4_scales_from_marlin(scale.view(torch.uint8), a8=a8))

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from mxfp4conv.errors import InputError, OutputError
 from mxfp4conv.files import safetensors as sio
+from mxfp4conv.files.safetensors import dtypes, reader, writer, writer_threads
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -35,8 +36,8 @@ def test_read_many_in_pieces_matches_safetensors(tmp_path: Path, monkeypatch: py
     path = tmp_path / "a.safetensors"
     want = _tensors()
     save_file(want, str(path))
-    monkeypatch.setattr(sio, "READ_PIECE", 4099)  # 253 pieces for "big", the last one short
-    monkeypatch.setattr(sio, "READ_THREADS", threads)
+    monkeypatch.setattr(reader, "READ_PIECE", 4099)  # 253 pieces for "big", the last one short
+    monkeypatch.setattr(reader, "READ_THREADS", threads)
     refs, _ = sio.read_header(path)
     bufs = {n: torch.empty(r.nbytes, dtype=torch.uint8) for n, r in refs.items()}
     sio.read_many([(refs[n], sio.tensor_view(bufs[n])) for n in refs])
@@ -56,7 +57,7 @@ def test_read_many_short_file_names_file_and_tensor(tmp_path: Path, monkeypatch:
     path = tmp_path / "a.safetensors"
     save_file(_tensors(), str(path))
     refs, _ = sio.read_header(path)
-    monkeypatch.setattr(sio, "READ_PIECE", 1 << 12)
+    monkeypatch.setattr(reader, "READ_PIECE", 1 << 12)
     with open(path, "r+b") as fh:  # the file shrinks after its header was read
         fh.truncate(refs["big"].begin + 10_000)
     buf = torch.empty(refs["big"].nbytes, dtype=torch.uint8)
@@ -78,9 +79,9 @@ def test_neighbouring_tensors_are_read_in_runs(tmp_path: Path, monkeypatch: pyte
     path = tmp_path / "a.safetensors"
     want = _many(40, 1000)
     save_file(want, str(path))
-    monkeypatch.setattr(sio, "READ_PIECE", 5000)
-    monkeypatch.setattr(sio, "MAX_IOV", 3)
-    monkeypatch.setattr(sio, "READ_THREADS", threads)
+    monkeypatch.setattr(reader, "READ_PIECE", 5000)
+    monkeypatch.setattr(reader, "MAX_IOV", 3)
+    monkeypatch.setattr(reader, "READ_THREADS", threads)
     refs, _ = sio.read_header(path)
     order = sorted(refs, key=lambda n: -refs[n].begin)  # destinations asked for back to front
     items = [(refs[n], memoryview(bytearray(refs[n].nbytes)), 0) for n in order]
@@ -104,7 +105,7 @@ def test_a_run_that_ends_early_names_the_tensor_it_ended_in(tmp_path: Path, monk
     path = tmp_path / "a.safetensors"
     save_file(_many(10, 1000), str(path))
     refs, _ = sio.read_header(path)
-    monkeypatch.setattr(sio, "READ_PIECE", 1 << 20)
+    monkeypatch.setattr(reader, "READ_PIECE", 1 << 20)
     names = sorted(refs, key=lambda n: refs[n].begin)
     cut = refs[names[6]]
     with open(path, "r+b") as fh:  # the file shrinks after its header was read, inside the 7th tensor
@@ -207,7 +208,7 @@ def test_stream_write_error_surfaces_from_the_future_or_the_put(tmp_path: Path, 
     def full(self: object, raw: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(sio._BackgroundWriter, "_write", full)
+    monkeypatch.setattr(writer_threads.BackgroundWriter, "_write", full)
     t = _tensors()
     entries = [(n, sio.st_dtype(v.dtype), tuple(v.shape)) for n, v in t.items()]
     path = tmp_path / "x.safetensors"
@@ -245,8 +246,8 @@ def test_copy_falls_back_to_read_write_when_copy_file_range_is_refused(
             raise OSError(errno.EXDEV, "Invalid cross-device link")
         return real(a[0], a[1], min(1000, a[2]), a[3])  # a short copy: the rest must follow from the right offset
 
-    monkeypatch.setattr(sio, "COPY_MODE", "copy_file_range")
-    monkeypatch.setattr(sio.os, "copy_file_range", cfr)
+    monkeypatch.setattr(writer_threads, "COPY_MODE", "copy_file_range")
+    monkeypatch.setattr(writer_threads.os, "copy_file_range", cfr)
     out = tmp_path / "out.safetensors"
     digest = sio.stream_safetensors(out, entries, iter(slices)).result(timeout=60)
     assert digest == hashlib.sha256(out.read_bytes()).hexdigest()
@@ -263,8 +264,8 @@ def test_copy_file_range_errors_other_than_refusal_fail_the_shard(tmp_path: Path
     def full(*a: int) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(sio, "COPY_MODE", "copy_file_range")
-    monkeypatch.setattr(sio.os, "copy_file_range", full)
+    monkeypatch.setattr(writer_threads, "COPY_MODE", "copy_file_range")
+    monkeypatch.setattr(writer_threads.os, "copy_file_range", full)
     with pytest.raises(OutputError, match="No space left"):
         sio.stream_safetensors(tmp_path / "out.safetensors", entries, iter(slices)).result(timeout=60)
 
@@ -272,7 +273,7 @@ def test_copy_file_range_errors_other_than_refusal_fail_the_shard(tmp_path: Path
 @pytest.mark.parametrize("mode", ["copy_file_range", "readwrite"])
 def test_copy_of_a_source_truncated_meanwhile_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     src, entries, slices, _ = _copy_job(tmp_path)
-    monkeypatch.setattr(sio, "COPY_MODE", mode)
+    monkeypatch.setattr(writer_threads, "COPY_MODE", mode)
     cut = min((s for s in slices if s.length > 100), key=lambda s: s.begin)  # the first tensor the cut lands in
     with open(src, "r+b") as fh:
         fh.truncate(cut.begin + 100)
@@ -305,8 +306,8 @@ def test_copies_batched_between_computed_tensors_keep_file_order(
     tensors, every tensor still lands at its place: the shard loads back equal, element for element."""
     _, _, copies, _ = _copy_job(tmp_path)
     src_refs = sio.read_header(tmp_path / "src.safetensors")[0]
-    monkeypatch.setattr(sio, "BATCH_SLICES", slices)
-    monkeypatch.setattr(sio, "BATCH_BYTES", nbytes)
+    monkeypatch.setattr(writer, "BATCH_SLICES", slices)
+    monkeypatch.setattr(writer, "BATCH_BYTES", nbytes)
     computed = _tensors(3)
     items: list[object] = []
     entries = []
@@ -345,14 +346,14 @@ def test_a_lagging_hasher_never_holds_back_the_producer(tmp_path: Path, monkeypa
     budget every item is still queued and written; the digest, once released, is the file's."""
     monkeypatch.setenv("MXFP4CONV_HASHER", "hashlib")  # the path that hashes chunk by chunk in Python
     release = threading.Event()
-    real = sio._BackgroundWriter._hash_chunk
+    real = writer_threads.BackgroundWriter._hash_chunk
 
-    def stalled(self: sio._BackgroundWriter, chunk: memoryview) -> None:
+    def stalled(self: writer_threads.BackgroundWriter, chunk: memoryview) -> None:
         release.wait(60)
         real(self, chunk)
 
-    monkeypatch.setattr(sio._BackgroundWriter, "_hash_chunk", stalled)
-    monkeypatch.setattr(sio, "HASH_CHUNK", 4096)  # the hasher reads the 1 MB shard in many chunks
+    monkeypatch.setattr(writer_threads.BackgroundWriter, "_hash_chunk", stalled)
+    monkeypatch.setattr(writer_threads, "HASH_CHUNK", 4096)  # the hasher reads the 1 MB shard in many chunks
     t = _tensors(5)
     entries = [(n, sio.st_dtype(v.dtype), tuple(v.shape)) for n, v in t.items()]
     path = tmp_path / "x.safetensors"
@@ -380,8 +381,8 @@ def test_computed_buffers_batched_into_writev_survive_short_writes(
     """Consecutive computed tensors are written in batches (one writev each); the kernel may write
     less than asked at any point, even inside a buffer: every byte still lands in order (the shard
     loads back equal, and the digest is the file's)."""
-    monkeypatch.setattr(sio, "BATCH_SLICES", items)
-    monkeypatch.setattr(sio, "BATCH_BYTES", nbytes)
+    monkeypatch.setattr(writer, "BATCH_SLICES", items)
+    monkeypatch.setattr(writer, "BATCH_BYTES", nbytes)
     real = os.writev
     calls: list[int] = []
 
@@ -390,7 +391,7 @@ def test_computed_buffers_batched_into_writev_survive_short_writes(
         first = memoryview(bufs[0])
         return real(fd, [first[: max(1, len(first) // 2)]] if len(calls) % 2 else bufs)
 
-    monkeypatch.setattr(sio.os, "writev", short)
+    monkeypatch.setattr(writer_threads.os, "writev", short)
     want = {f"t{i}.{k}": v * (i + 1) for i in range(4) for k, v in _tensors(3 + i).items()}
     want["empty"] = torch.zeros(0, dtype=torch.uint8)
     entries = [(n, sio.st_dtype(v.dtype), tuple(v.shape)) for n, v in want.items()]
@@ -433,22 +434,22 @@ def test_header_entry_fast_path_agrees_with_the_checks(tmp_path: Path) -> None:
     ]
     for entry in entries:
         results: list[object] = []
-        for parse in (sio._parse_entry, sio._checked_entry):
+        for parse in (reader._parse_entry, reader._checked_entry):
             try:
                 results.append(parse(str(p), p, "t", entry, 8, 64))
             except InputError as exc:
                 results.append(str(exc))
         assert results[0] == results[1], entry
-    assert isinstance(sio._parse_entry(str(p), p, "t", entries[0], 8, 64), sio.TensorRef)
+    assert isinstance(reader._parse_entry(str(p), p, "t", entries[0], 8, 64), sio.TensorRef)
 
 
 def test_header_json_duplicate_keys_at_any_depth() -> None:
     import json
 
-    assert sio._no_duplicates([("a", 1), ("b", 2)]) == {"a": 1, "b": 2}
+    assert dtypes.no_duplicates([("a", 1), ("b", 2)]) == {"a": 1, "b": 2}
     for text, key in (('{"t":{"dtype":"U8","dtype":"F32"}}', "dtype"), ('{"t":{},"u":{},"t":{}}', "t")):
         with pytest.raises(ValueError, match=f"duplicate key '{key}'"):
-            json.loads(text, object_pairs_hook=sio._no_duplicates)
+            json.loads(text, object_pairs_hook=dtypes.no_duplicates)
 
 
 def test_as_bytes_every_shape_and_dtype() -> None:
@@ -459,8 +460,8 @@ def test_as_bytes_every_shape_and_dtype() -> None:
              torch.tensor(7, dtype=torch.uint8), torch.arange(6, dtype=torch.bfloat16), torch.zeros(0, dtype=torch.float32)]
     for t in cases:
         want = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        assert bytes(sio._as_bytes(t)) == want, (t.dtype, tuple(t.shape))
-    assert bytes(sio._as_bytes(b"abc")) == b"abc"
+        assert bytes(writer._as_bytes(t)) == want, (t.dtype, tuple(t.shape))
+    assert bytes(writer._as_bytes(b"abc")) == b"abc"
 
 
 def _raw_shard(path: Path, header: dict[str, object], data: bytes) -> Path:

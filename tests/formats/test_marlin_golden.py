@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from mxfp4conv.formats import marlin as M
+from mxfp4conv.formats import marlin_scales as MS
 
 REPO = Path(__file__).resolve().parents[2]
 COPY = REPO / "tests" / "data" / "golden_marlin"
@@ -125,8 +126,8 @@ def _dense_primitives(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     w = M.repack_fp4_weight(weight, a8=a8)
     if quant == "mxfp4":
-        return w, M.mxfp4_scales_to_marlin(scale, a8=a8)
-    return w, M.nvfp4_scales_to_marlin(scale, params_dtype=pd, sf=sf)
+        return w, MS.mxfp4_scales_to_marlin(scale, a8=a8)
+    return w, MS.nvfp4_scales_to_marlin(scale, params_dtype=pd, sf=sf)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c["meta"]["layer"] == "dense"], ids=case_id)
@@ -142,25 +143,25 @@ def test_golden_dense_primitives(case: dict) -> None:
     assert (M.check_marlin_shape(n, k, g) is None) == ((np2 // 2, kp * 16) == (n, k))
     p = M.pad_dense_fp4(t["in.weight"], t["in.weight_scale"], t.get("in.bias"), group=g)
     assert (p.n, p.k, p.np, p.kp) == (n, k, np2 // 2, kp * 16)
-    sf = M.nvfp4_rescale_factor(t["in.weight_scale"], pd) if quant == "nvfp4" else 1.0
+    sf = MS.nvfp4_rescale_factor(t["in.weight_scale"], pd) if quant == "nvfp4" else 1.0
     w, s = _dense_primitives(p.packed, p.scales, quant, pd, a8, sf)
     assert_same(w, t["out.weight"], "weight")
     assert_same(s, t["out.weight_scale"].view(torch.uint8), "weight_scale")
     if quant == "nvfp4":
-        gs = M.nvfp4_global_to_marlin(t["in.weight_global_scale"], params_dtype=pd, sf=sf)
+        gs = MS.nvfp4_global_to_marlin(t["in.weight_global_scale"], params_dtype=pd, sf=sf)
         assert_same(gs, t["out.weight_global_scale"], "global")
         if "rescaled" in case["file"]:
             assert sf > 1  # README: small scales -> rescale factor 2^k > 1
-        assert M.nvfp4_scales_match(p.scales, s, params_dtype=pd, sf=sf)
+        assert MS.nvfp4_scales_match(p.scales, s, params_dtype=pd, sf=sf)
     if "in.bias" in t:
         assert p.bias is not None
-        assert_same(M.permute_bias(p.bias), t["out.bias"], "bias")
+        assert_same(MS.permute_bias(p.bias), t["out.bias"], "bias")
     # inverses recover the (padded) inputs
     assert_same(M.unrepack_fp4_weight(w, p.np, p.kp, a8=a8), p.packed, "unrepack")
     if quant == "mxfp4":
-        assert_same(M.mxfp4_scales_from_marlin(s, a8=a8), p.scales.view(torch.uint8), "unscale")
-    elif M.nvfp4_scales_encoding_lossless(p.scales, params_dtype=pd, sf=sf):
-        dec = M.nvfp4_scales_from_marlin(s, params_dtype=pd, sf=sf)
+        assert_same(MS.mxfp4_scales_from_marlin(s, a8=a8), p.scales.view(torch.uint8), "unscale")
+    elif MS.nvfp4_scales_encoding_lossless(p.scales, params_dtype=pd, sf=sf):
+        dec = MS.nvfp4_scales_from_marlin(s, params_dtype=pd, sf=sf)
         assert_same(dec, p.scales.view(torch.uint8), "unscale")
 
 
@@ -172,7 +173,7 @@ def test_golden_moe_per_expert(case: dict) -> None:
     quant = meta["quant"]
     for name in ("w13", "w2"):
         scales = t[f"in.{name}_weight_scale"]
-        sf = M.nvfp4_rescale_factor(scales, pd) if quant == "nvfp4" else 1.0
+        sf = MS.nvfp4_rescale_factor(scales, pd) if quant == "nvfp4" else 1.0
         per = [
             _dense_primitives(t[f"in.{name}_weight"][e], scales[e], quant, pd, False, sf)
             for e in range(int(meta["E"]))
@@ -181,10 +182,10 @@ def test_golden_moe_per_expert(case: dict) -> None:
         want_s = t[f"out.{name}_weight_scale"].view(torch.uint8)
         assert_same(torch.stack([s for _, s in per]), want_s, f"{name}_weight_scale")
         if f"in.{name}_bias" in t:
-            bias = torch.stack([M.permute_bias(b.to(pd)) for b in t[f"in.{name}_bias"]])
+            bias = torch.stack([MS.permute_bias(b.to(pd)) for b in t[f"in.{name}_bias"]])
             assert_same(bias, t[f"out.{name}_bias"], f"{name}_bias")
         if quant == "nvfp4":
-            gs = M.nvfp4_global_to_marlin(t[f"in.{name}_weight_scale_2"], params_dtype=pd, sf=sf)
+            gs = MS.nvfp4_global_to_marlin(t[f"in.{name}_weight_scale_2"], params_dtype=pd, sf=sf)
             assert_same(gs, t[f"out.{name}_weight_scale_2"], f"{name}_weight_scale_2")
 
 

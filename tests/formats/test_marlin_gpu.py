@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from mxfp4conv.formats import marlin as M
+from mxfp4conv.formats import marlin_scales as MS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -45,17 +46,17 @@ def run_all(dev: torch.device, t: dict[str, torch.Tensor]) -> dict[str, torch.Te
         w = M.repack_fp4_weight(t["w"], a8=a8)
         out[f"repack{a8}"] = w
         out[f"unrepack{a8}"] = M.unrepack_fp4_weight(w, 256, 512, a8=a8)
-        s = M.mxfp4_scales_to_marlin(t["mx"], a8=a8)
-        out[f"mx{a8}"], out[f"unmx{a8}"] = s, M.mxfp4_scales_from_marlin(s, a8=a8)
+        s = MS.mxfp4_scales_to_marlin(t["mx"], a8=a8)
+        out[f"mx{a8}"], out[f"unmx{a8}"] = s, MS.mxfp4_scales_from_marlin(s, a8=a8)
     for pd in (torch.bfloat16, torch.float16):
-        sf = M.nvfp4_rescale_factor(t["nv"], pd)
-        s = M.nvfp4_scales_to_marlin(t["nv"], params_dtype=pd, sf=sf)
+        sf = MS.nvfp4_rescale_factor(t["nv"], pd)
+        s = MS.nvfp4_scales_to_marlin(t["nv"], params_dtype=pd, sf=sf)
         out[f"nv{pd}"] = s
-        out[f"unnv{pd}"] = M.nvfp4_scales_from_marlin(s, params_dtype=pd, sf=sf)
-        out[f"gs{pd}"] = M.nvfp4_global_to_marlin(t["gs"], params_dtype=pd, sf=sf)
-    out["nv_lifted"] = M.nvfp4_scales_to_marlin(t["nv_small"], params_dtype=torch.bfloat16, sf=2.0**9)
-    out["bias"] = M.permute_bias(t["bias"], dtype=torch.bfloat16)
-    out["unbias"] = M.unpermute_bias(out["bias"])
+        out[f"unnv{pd}"] = MS.nvfp4_scales_from_marlin(s, params_dtype=pd, sf=sf)
+        out[f"gs{pd}"] = MS.nvfp4_global_to_marlin(t["gs"], params_dtype=pd, sf=sf)
+    out["nv_lifted"] = MS.nvfp4_scales_to_marlin(t["nv_small"], params_dtype=torch.bfloat16, sf=2.0**9)
+    out["bias"] = MS.permute_bias(t["bias"], dtype=torch.bfloat16)
+    out["unbias"] = MS.unpermute_bias(out["bias"])
     p = M.pad_dense_fp4(t["w_odd"], t["mx_odd"], t["bias_odd"], group=32)
     dense = M.prepare_dense_fp4(p.packed, p.scales, quant="mxfp4", bias=p.bias)
     out.update({f"dense.{k}": v for k, v in dense.items()})

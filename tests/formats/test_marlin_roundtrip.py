@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mxfp4conv.formats import marlin as M
+from mxfp4conv.formats import marlin_scales as MS
 
 OFF = (0, 1, 8, 9, 16, 17, 24, 25)
 
@@ -120,12 +121,12 @@ def test_unrepack_rejects_wrong_shape() -> None:
 @pytest.mark.parametrize("n,groups", [(64, 1), (64, 4), (128, 8), (192, 3), (256, 16)])
 def test_mxfp4_scales_match_loop_reference(n: int, groups: int, a8: bool) -> None:
     s = rand_u8(n, groups, seed=n + groups, lo=0, hi=250)
-    got = M.mxfp4_scales_to_marlin(s, a8=a8)
+    got = MS.mxfp4_scales_to_marlin(s, a8=a8)
     kn = s.t().tolist()
     want = ref_scale_perm(kn, grouped=not a8 and groups > 1, swap=not a8)
     want_t = torch.tensor(want, dtype=torch.uint8) + (6 if a8 else 0)
     assert torch.equal(got, want_t)
-    assert torch.equal(M.mxfp4_scales_from_marlin(got, a8=a8), s)
+    assert torch.equal(MS.mxfp4_scales_from_marlin(got, a8=a8), s)
     # as e8m0 it is the same exponent bytes
     assert torch.equal(got.view(torch.float8_e8m0fnu).view(torch.uint8), got)
 
@@ -133,32 +134,32 @@ def test_mxfp4_scales_match_loop_reference(n: int, groups: int, a8: bool) -> Non
 @pytest.mark.parametrize("a8", [False, True])
 def test_mxfp4_scales_roundtrip_batched(a8: bool) -> None:
     s = rand_u8(3, 320, 12, seed=11, hi=250)
-    m = M.mxfp4_scales_to_marlin(s.view(torch.float8_e8m0fnu), a8=a8)
+    m = MS.mxfp4_scales_to_marlin(s.view(torch.float8_e8m0fnu), a8=a8)
     assert m.shape == (3, 12, 320)
-    assert torch.equal(m[1], M.mxfp4_scales_to_marlin(s[1], a8=a8))
-    assert torch.equal(M.mxfp4_scales_from_marlin(m, a8=a8), s)
+    assert torch.equal(m[1], MS.mxfp4_scales_to_marlin(s[1], a8=a8))
+    assert torch.equal(MS.mxfp4_scales_from_marlin(m, a8=a8), s)
 
 
 def test_mxfp4_a8_refuses_large_bytes() -> None:
     s = torch.full((64, 4), 249, dtype=torch.uint8)
-    assert int(M.mxfp4_scales_to_marlin(s, a8=True).max()) == 255
+    assert int(MS.mxfp4_scales_to_marlin(s, a8=True).max()) == 255
     s[3, 2] = 250
     with pytest.raises(ValueError):
-        M.mxfp4_scales_to_marlin(s, a8=True)
-    assert int(M.mxfp4_scales_to_marlin(s).max()) == 250  # 16-bit path moves bytes unchanged
+        MS.mxfp4_scales_to_marlin(s, a8=True)
+    assert int(MS.mxfp4_scales_to_marlin(s).max()) == 250  # 16-bit path moves bytes unchanged
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_bias_permutation(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(3)
     b = torch.randn(2, 192, generator=g).to(dtype)
-    p = M.permute_bias(b)
+    p = MS.permute_bias(b)
     want = torch.tensor(ref_scale_perm(b.view(-1, 192).tolist(), grouped=False, swap=False), dtype=dtype)
     assert torch.equal(p, want) and not torch.equal(p, b)
-    assert torch.equal(M.unpermute_bias(p), b)
-    assert M.permute_bias(b.float(), dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert torch.equal(MS.unpermute_bias(p), b)
+    assert MS.permute_bias(b.float(), dtype=torch.bfloat16).dtype == torch.bfloat16
     with pytest.raises(ValueError):
-        M.permute_bias(torch.zeros(48))
+        MS.permute_bias(torch.zeros(48))
 
 
 # ---- NVFP4 -------------------------------------------------------------------------------------
@@ -183,7 +184,7 @@ def test_s0e5m3_all_codes_match_float_path(log2sf: int) -> None:
         sf = 2.0**log2sf
         # every row n holds the same codes, so each output row is constant whatever the permutation
         s = codes.view(1, -1).expand(64, -1).contiguous()
-        got = M.nvfp4_scales_to_marlin(s, params_dtype=pd, sf=sf)
+        got = MS.nvfp4_scales_to_marlin(s, params_dtype=pd, sf=sf)
         assert bool((got == got[:, :1]).all())
         assert torch.equal(got[:, 0], vllm_style_s0e5m3(codes, pd, sf)), (pd, sf)
 
@@ -194,70 +195,70 @@ def test_rescale_factor_rule() -> None:
         m = float(torch.tensor([c], dtype=torch.uint8).view(torch.float8_e4m3fn).float())
         want = 2.0 ** math.floor(math.log2(448 / m)) if m < 448 else 1.0
         s = torch.tensor([c // 2, c, 0xFE, 0x80], dtype=torch.uint8)  # smaller, max, negative, -0
-        assert M.nvfp4_rescale_factor(s.view(torch.float8_e4m3fn), torch.bfloat16) == max(want, 1.0), c
-        assert M.nvfp4_rescale_factor(s, torch.float16) == 1.0
-    assert M.nvfp4_rescale_factor(torch.zeros(4, dtype=torch.uint8), torch.bfloat16) == 1.0
-    assert M.nvfp4_rescale_factor(torch.tensor([0xC8], dtype=torch.uint8), torch.bfloat16) == 1.0
+        assert MS.nvfp4_rescale_factor(s.view(torch.float8_e4m3fn), torch.bfloat16) == max(want, 1.0), c
+        assert MS.nvfp4_rescale_factor(s, torch.float16) == 1.0
+    assert MS.nvfp4_rescale_factor(torch.zeros(4, dtype=torch.uint8), torch.bfloat16) == 1.0
+    assert MS.nvfp4_rescale_factor(torch.tensor([0xC8], dtype=torch.uint8), torch.bfloat16) == 1.0
     # NaN codes (0x7F, 0xFF) are not "positive scales" (vLLM: NaN > 0 is False): max is 4.0 -> 64
     nan = torch.tensor([0x48, 0x7F, 0xFF, 0x30], dtype=torch.uint8)
-    assert M.nvfp4_rescale_factor(nan, torch.bfloat16) == 64.0
+    assert MS.nvfp4_rescale_factor(nan, torch.bfloat16) == 64.0
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_nvfp4_scales_roundtrip(seed: int) -> None:
     s = rand_u8(2, 128, 16, seed=seed, lo=0x08, hi=0x7F)  # positive normal scales
     for pd in (torch.bfloat16, torch.float16):
-        sf = M.nvfp4_rescale_factor(s, pd)
-        m = M.nvfp4_scales_to_marlin(s.view(torch.float8_e4m3fn), params_dtype=pd, sf=sf)
+        sf = MS.nvfp4_rescale_factor(s, pd)
+        m = MS.nvfp4_scales_to_marlin(s.view(torch.float8_e4m3fn), params_dtype=pd, sf=sf)
         assert m.shape == (2, 16, 128)
-        assert M.nvfp4_scales_encoding_lossless(s, params_dtype=pd, sf=sf)
-        assert torch.equal(M.nvfp4_scales_from_marlin(m, params_dtype=pd, sf=sf), s)
-        assert M.nvfp4_scales_match(s, m, params_dtype=pd, sf=sf)
-        assert not M.nvfp4_scales_match(s, m ^ 8, params_dtype=pd, sf=sf)
+        assert MS.nvfp4_scales_encoding_lossless(s, params_dtype=pd, sf=sf)
+        assert torch.equal(MS.nvfp4_scales_from_marlin(m, params_dtype=pd, sf=sf), s)
+        assert MS.nvfp4_scales_match(s, m, params_dtype=pd, sf=sf)
+        assert not MS.nvfp4_scales_match(s, m ^ 8, params_dtype=pd, sf=sf)
 
 
 def test_nvfp4_lossy_cases_verify_by_reencoding() -> None:
     s = rand_u8(64, 4, seed=5, lo=0x30, hi=0x50)
     s[0, 0], s[1, 1], s[2, 2] = 0x01, 0xB0, 0x80  # subnormal (flushed at sf=1), negative, -0
     s[3, 3] = 0x7E  # reaches 448 -> sf = 1
-    sf = M.nvfp4_rescale_factor(s, torch.bfloat16)
+    sf = MS.nvfp4_rescale_factor(s, torch.bfloat16)
     assert sf == 1.0
-    m = M.nvfp4_scales_to_marlin(s, params_dtype=torch.bfloat16, sf=sf)
-    assert not M.nvfp4_scales_encoding_lossless(s, params_dtype=torch.bfloat16, sf=sf)
-    dec = M.nvfp4_scales_from_marlin(m, params_dtype=torch.bfloat16, sf=sf)
+    m = MS.nvfp4_scales_to_marlin(s, params_dtype=torch.bfloat16, sf=sf)
+    assert not MS.nvfp4_scales_encoding_lossless(s, params_dtype=torch.bfloat16, sf=sf)
+    dec = MS.nvfp4_scales_from_marlin(m, params_dtype=torch.bfloat16, sf=sf)
     assert int(dec[0, 0]) == int(dec[1, 1]) == int(dec[2, 2]) == 0
     keep = torch.ones_like(s, dtype=torch.bool)
     keep[0, 0] = keep[1, 1] = keep[2, 2] = False
     assert torch.equal(dec[keep], s[keep])
-    assert M.nvfp4_scales_match(s, m, params_dtype=torch.bfloat16, sf=sf)
+    assert MS.nvfp4_scales_match(s, m, params_dtype=torch.bfloat16, sf=sf)
     # the subnormal survives when sf lifts it (m * sf >= 8)
-    assert M.nvfp4_scales_to_marlin(s, params_dtype=torch.bfloat16, sf=8.0)[0, 0] != 0
+    assert MS.nvfp4_scales_to_marlin(s, params_dtype=torch.bfloat16, sf=8.0)[0, 0] != 0
 
 
 def test_nvfp4_refusals() -> None:
     s = rand_u8(64, 4, seed=6, lo=0x08, hi=0x7F)
     with pytest.raises(ValueError):
-        M.nvfp4_scales_to_marlin(s, params_dtype=torch.float16, sf=2.0)
+        MS.nvfp4_scales_to_marlin(s, params_dtype=torch.float16, sf=2.0)
     with pytest.raises(ValueError):
-        M.nvfp4_scales_to_marlin(s, params_dtype=torch.bfloat16, sf=3.0)
+        MS.nvfp4_scales_to_marlin(s, params_dtype=torch.bfloat16, sf=3.0)
     with pytest.raises(ValueError):
-        M.nvfp4_scales_to_marlin(s, params_dtype=torch.float32, sf=1.0)
+        MS.nvfp4_scales_to_marlin(s, params_dtype=torch.float32, sf=1.0)
     s[5, 1] = 0xFF
     with pytest.raises(ValueError):
-        M.nvfp4_scales_to_marlin(s, params_dtype=torch.bfloat16, sf=1.0)
+        MS.nvfp4_scales_to_marlin(s, params_dtype=torch.bfloat16, sf=1.0)
     with pytest.raises(ValueError):
-        M.nvfp4_scales_from_marlin(
+        MS.nvfp4_scales_from_marlin(
             torch.full((4, 64), 0xF8, dtype=torch.uint8), params_dtype=torch.bfloat16, sf=1.0
         )
 
 
 def test_nvfp4_global_scale() -> None:
     gs = torch.tensor([1e-4, 3.5e-4, 1.1e-3], dtype=torch.float32)
-    bf = M.nvfp4_global_to_marlin(gs, params_dtype=torch.bfloat16, sf=4.0)
+    bf = MS.nvfp4_global_to_marlin(gs, params_dtype=torch.bfloat16, sf=4.0)
     assert bf.dtype == torch.float32 and torch.equal(bf, gs * 2.0**117)
-    assert torch.equal(M.nvfp4_global_to_marlin(gs, params_dtype=torch.float16, sf=1.0), gs * 128)
+    assert torch.equal(MS.nvfp4_global_to_marlin(gs, params_dtype=torch.float16, sf=1.0), gs * 128)
     assert (
-        M.nvfp4_global_to_marlin(torch.tensor(2.0**-119), params_dtype=torch.bfloat16, sf=1.0).item() == 1.0
+        MS.nvfp4_global_to_marlin(torch.tensor(2.0**-119), params_dtype=torch.bfloat16, sf=1.0).item() == 1.0
     )
 
 
@@ -268,8 +269,8 @@ def test_moe_nvfp4_sf_is_shared_by_experts() -> None:
     s[0, 0, 0] = 0x7E
     gs = torch.tensor([1e-3, 2e-3])
     out = M.prepare_moe_fp4(w, s, w, s, quant="nvfp4", w13_global=gs, w2_global=gs)
-    assert M.nvfp4_rescale_factor(s[1], torch.bfloat16) > 1
-    want1 = M.nvfp4_scales_to_marlin(s[1], params_dtype=torch.bfloat16, sf=1.0)
+    assert MS.nvfp4_rescale_factor(s[1], torch.bfloat16) > 1
+    want1 = MS.nvfp4_scales_to_marlin(s[1], params_dtype=torch.bfloat16, sf=1.0)
     assert torch.equal(out["w13_weight_scale"][1].view(torch.uint8), want1)
     assert torch.equal(out["w13_weight_scale_2"], gs * 2.0**119)
 
@@ -339,13 +340,13 @@ def test_inputs_are_not_modified(n: int, k: int, a8: bool) -> None:
 @pytest.mark.parametrize("log2sf", [0, 3, 9])
 def test_two_byte_lookup_equals_byte_lookup(log2sf: int) -> None:
     """The S0E5M3 encoder looks bytes up in pairs: every (lo, hi) pair must match two single lookups."""
-    lut = M._s0e5m3_lut(log2sf, torch.device("cpu"))
-    pair = M._s0e5m3_pair_lut(log2sf, torch.device("cpu"))
+    lut = MS._s0e5m3_lut(log2sf, torch.device("cpu"))
+    pair = MS._s0e5m3_pair_lut(log2sf, torch.device("cpu"))
     x = torch.stack(torch.meshgrid(torch.arange(256), torch.arange(256), indexing="ij"), -1).to(torch.uint8)
     x = x.reshape(-1, 2).contiguous()  # all 65536 (lo, hi) pairs
-    assert torch.equal(M._apply_lut(x, lut, pair), lut[x.long()])
+    assert torch.equal(MS._apply_lut(x, lut, pair), lut[x.long()])
     odd = x.reshape(-1)[1:4].reshape(1, 3)  # odd length and odd offset: the byte-wise fallback
-    assert torch.equal(M._apply_lut(odd, lut, pair), lut[odd.long()])
+    assert torch.equal(MS._apply_lut(odd, lut, pair), lut[odd.long()])
 
 
 def test_empty_expert_dim() -> None:

@@ -24,17 +24,16 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import mxfp4conv.numerics.requant as rq
+import mxfp4conv.numerics.requant_cpu as rq_cpu
+import mxfp4conv.numerics.requant_stats as rq_stats
 from mxfp4conv.files.cbuild import compiler
 from mxfp4conv.formats.mxfp4 import ScaleRule
 from mxfp4conv.formats.nvfp4 import MAX_REQUANT_MAGNITUDE
 from mxfp4conv.kernels import requant_native
 from mxfp4conv.model.canonical import FP4Weight
-from mxfp4conv.numerics.requant import (
-    RequantStats,
-    requant_nvfp4_to_mxfp4,
-    requant_rows_cpu,
-    requant_rows_reference,
-)
+from mxfp4conv.numerics.requant import requant_nvfp4_to_mxfp4
+from mxfp4conv.numerics.requant_cpu import requant_rows_cpu
+from mxfp4conv.numerics.requant_stats import RequantStats, requant_rows_reference
 
 RULES = list(ScaleRule)
 IDS = [r.value for r in RULES]
@@ -176,7 +175,7 @@ def test_mse_near_ties_are_decided_exactly(divisor: bool) -> None:
         for j in range(x.shape[1]):
             vals = [Fraction(abs(float(v))) for v in x[i, j]]
             amax = max(vals)
-            er = int(rq.rceil_exponent(torch.tensor([float(amax)]))[0])
+            er = int(rq_cpu.rceil_exponent(torch.tensor([float(amax)]))[0])
             ea, eb = err(vals, er), err(vals, er - 1)
             assert int(scales[i, j]) - 127 == (er - 1 if eb < ea else er), (i, j)
             terms = ea + eb
@@ -245,7 +244,7 @@ def test_row_stats_fold_blocks_in_lanes() -> None:
         p, s, g = random_nvfp4(6, k, False, seed=12)
         _, _, rows = both_cpu_paths(p, s, g, False, ScaleRule.MSE)
         x = dequantize_nvfp4(p, s, g, divisor=False)
-        st = quantize_mxfp4_with_stats(x, ScaleRule.MSE, rq.requant_groups(p))[2]
+        st = quantize_mxfp4_with_stats(x, ScaleRule.MSE, rq_stats.requant_groups(p))[2]
         for i in range(6):
             lsq, lsig = [0.0] * 8, [0.0] * 8
             for j in range(st.sq_err.shape[1]):
@@ -263,7 +262,7 @@ def test_lane_sum_order() -> None:
     # 1 then fifteen 2^-53: sequentially every add rounds back to 1; in 8 lanes, lanes 1..7 hold
     # 2^-52 each first, and 1 + 7 * 2^-52 is exact.
     v = torch.tensor([[1.0] + [2.0**-53] * 15], dtype=torch.float64)
-    assert rq._lane_sum(v).item() == 1.0 + 7 * 2.0**-52
+    assert rq_stats._lane_sum(v).item() == 1.0 + 7 * 2.0**-52
     assert float(v.cumsum(1)[0, -1]) == 1.0
 
 
@@ -272,7 +271,7 @@ def test_threads_and_slab_sizes_do_not_change_bytes(monkeypatch: pytest.MonkeyPa
     base = both_cpu_paths(*data, False, ScaleRule.MSE, threads=1)
     assert_same(both_cpu_paths(*data, False, ScaleRule.MSE, threads=2), base)
     for slab in (1, 256 * 5, 1 << 20):
-        monkeypatch.setattr(rq, "_SLAB_WEIGHTS", slab)
+        monkeypatch.setattr(rq_cpu, "_SLAB_WEIGHTS", slab)
         assert_same(both_cpu_paths(*data, False, ScaleRule.MSE, threads=3), base)
 
 
@@ -281,7 +280,7 @@ def test_threads_and_slab_sizes_do_not_change_bytes(monkeypatch: pytest.MonkeyPa
 def test_the_compiled_kernels_call_sizes_do_not_change_bytes(monkeypatch: pytest.MonkeyPatch, slab: int) -> None:
     data = random_nvfp4(37, 256, False, seed=5)
     base = requant_rows_cpu(*data, False, ScaleRule.MSE, threads=1)
-    monkeypatch.setattr(rq, "_NATIVE_SLAB_WEIGHTS", slab)
+    monkeypatch.setattr(rq_cpu, "_NATIVE_SLAB_WEIGHTS", slab)
     for threads in (1, 3):
         got = requant_rows_cpu(*data, False, ScaleRule.MSE, threads=threads)
         for a, b in zip(got, base, strict=True):
@@ -299,7 +298,7 @@ def test_native_kernel_builds_and_is_used(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert requant_native.load() is None and not (tmp_path / "cache").exists()
     monkeypatch.setenv("MXFP4CONV_CPU_KERNEL", "auto")
     calls: list[int] = []
-    monkeypatch.setattr(rq, "_slab", lambda *a: calls.append(1))
+    monkeypatch.setattr(rq_cpu, "_slab", lambda *a: calls.append(1))
     out = requant_rows_cpu(*random_nvfp4(4, 64, False, seed=3), False, ScaleRule.MSE)
     kern = requant_native.load()
     assert kern is not None and kern.path.parent == tmp_path / "cache" and not calls

@@ -35,7 +35,7 @@ from mxfp4conv.kernels.requant_triton import (  # noqa: E402
     requant_rows,
     requant_rows_into,
 )
-from mxfp4conv.numerics.requant import requant_rows_cpu  # noqa: E402
+from mxfp4conv.numerics.requant_cpu import requant_rows_cpu  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

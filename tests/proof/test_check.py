@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from mxfp4conv.cli import cli
 from mxfp4conv.errors import VerificationFailed
-from mxfp4conv.files import safetensors as safetensors_io
+from mxfp4conv.files.safetensors import writer_threads
 from mxfp4conv.plan.job import prepare
 from mxfp4conv.proof import check
 from mxfp4conv.proof.verify import verify_output
@@ -57,7 +57,7 @@ def _flip_nth(n: int) -> tuple[list[int], object]:
 def test_a_byte_flipped_between_write_and_check_fails_with_nothing_published(
         srcs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str, target: str) -> None:
     seen, hook = _flip_nth(2)
-    monkeypatch.setattr(safetensors_io, "CHECK_HOOK", hook)
+    monkeypatch.setattr(writer_threads, "CHECK_HOOK", hook)
     out = tmp_path / "o"
     res = CliRunner().invoke(cli, ["convert", str(srcs[layout]), str(out), "--to", target, "--device", "cpu", "--json"])
     assert seen[0] >= 2, "the hook never reached a second unit"
@@ -103,7 +103,7 @@ def test_expert_groups_cover_every_byte(srcs: dict[str, Path], tmp_path: Path, m
                 fh.seek(end - 1)
                 fh.write(bytes([b[0] ^ 0x01]))
 
-    monkeypatch.setattr(safetensors_io, "CHECK_HOOK", last_expert_hook)
+    monkeypatch.setattr(writer_threads, "CHECK_HOOK", last_expert_hook)
     with pytest.raises(VerificationFailed) as err:
         convert(srcs["ct-nvfp4"], tmp_path / "bad", ConvertOptions(target="ct", device="cpu"))
     assert ".experts" in (err.value.tensor or "")
@@ -112,7 +112,7 @@ def test_expert_groups_cover_every_byte(srcs: dict[str, Path], tmp_path: Path, m
 
 def test_no_verify_runs_no_checks(srcs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    monkeypatch.setattr(safetensors_io, "CHECK_HOOK", lambda p, b, e: calls.append(e - b))
+    monkeypatch.setattr(writer_threads, "CHECK_HOOK", lambda p, b, e: calls.append(e - b))
     rep = convert(srcs["modelopt-nvfp4"], tmp_path / "o", ConvertOptions(target="ct", device="cpu", verify=False))
     assert calls == [] and rep.verify is None and "verify" not in rep.seconds
 

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from mxfp4conv.cli import cli
 from mxfp4conv.files import safetensors as sio
+from mxfp4conv.files.safetensors import writer, writer_threads
 from mxfp4conv.run import conversion, staging
 from mxfp4conv.run.conversion import interleave, windows
 from tests.builders import build
@@ -103,7 +104,7 @@ def test_at_most_two_units_of_computed_outputs_are_alive(tmp_path: Path, monkeyp
     from mxfp4conv.run import pipeline as pl
 
     src = build("modelopt-nvfp4", tmp_path / "src", layers=6, shards=3)
-    real_units, real_write, real_bytes = conversion.unit_results, sio._BackgroundWriter._write, sio._as_bytes
+    real_units, real_write, real_bytes = conversion.unit_results, writer_threads.BackgroundWriter._write, writer._as_bytes
     held: list[list[weakref.ref[np.ndarray]]] = []  # per unit produced: its buffers handed to the writers
     most = [0]
 
@@ -123,8 +124,8 @@ def test_at_most_two_units_of_computed_outputs_are_alive(tmp_path: Path, monkeyp
         real_write(self, raw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(conversion, "unit_results", units)
-    monkeypatch.setattr(sio, "_as_bytes", as_bytes)
-    monkeypatch.setattr(sio._BackgroundWriter, "_write", slow_write)
+    monkeypatch.setattr(writer, "_as_bytes", as_bytes)
+    monkeypatch.setattr(writer_threads.BackgroundWriter, "_write", slow_write)
     report = pl.convert(src, tmp_path / "out", pl.ConvertOptions(target="ct", device="cpu", max_shard_size=20_000))
     assert report.verify and report.verify["ok"]
     assert len(report.shards) >= 4 and sum(1 for u in held if u) >= 6

@@ -64,7 +64,7 @@ def test_gpu_inline_proof_catches_a_flipped_byte(tmp_path: Path, monkeypatch: py
     """On the GPU the check compares each requantized unit's written bytes with a second,
     device-resident requantization: a byte flipped between write and check fails with nothing published."""
     from mxfp4conv.errors import VerificationFailed
-    from mxfp4conv.files import safetensors as safetensors_io
+    from mxfp4conv.files.safetensors import writer_threads
 
     src = build("modelopt-nvfp4", tmp_path / "src", layers=3, experts=8, hidden=256, inter=128, shards=2)
     ok = convert(src, tmp_path / "ok", ConvertOptions(target="ct", device="cuda:0"))
@@ -78,7 +78,7 @@ def test_gpu_inline_proof_catches_a_flipped_byte(tmp_path: Path, monkeypatch: py
                 fh.seek(begin + 12345)
                 fh.write(bytes([b[0] ^ 0x04]))
 
-    monkeypatch.setattr(safetensors_io, "CHECK_HOOK", flip)
+    monkeypatch.setattr(writer_threads, "CHECK_HOOK", flip)
     with pytest.raises(VerificationFailed):
         convert(src, tmp_path / "bad", ConvertOptions(target="ct", device="cuda:0"))
     assert not (tmp_path / "bad").exists()
