@@ -111,13 +111,13 @@ def inspect_cmd(src: str, revision: str | None, as_json: bool, debug: bool) -> N
                 more = f" (and {len(doc['problems']) - 1} more in the JSON report)" if len(doc["problems"]) > 1 else ""
                 _err.print(f"problem: {_safe(p['file'])}: {_safe(p['tensor'])}: {_safe(p['message'])}{more}")
         else:
-            _render_inspect(doc)
+            _render_inspect(doc, stream_note=report.at_link_rate)
         return report.exit_code
 
     _run(debug, run)
 
 
-def _render_inspect(doc: dict[str, Any]) -> None:
+def _render_inspect(doc: dict[str, Any], *, stream_note: bool = False) -> None:
     t = Table(title=f"mxfp4conv inspect: {_safe(doc['source'])}", show_header=False)
     for key in ("layout", "model_type", "architecture", "scheme", "num_layers", "num_moe_layers", "num_experts",
                 "hidden_size", "intermediate_size", "num_dense_fp4_layers", "num_passthrough_tensors", "tensors"):
@@ -132,8 +132,7 @@ def _render_inspect(doc: dict[str, Any]) -> None:
     for name, why in doc.get("refused", {}).items():
         t.add_row(f"not --to {name}", _safe(why))
     _err.print(t)
-    hub = doc.get("hub") or {}
-    if hub.get("read_from") == "hub":
+    if stream_note:
         _err.print(f"note: `mxfp4conv convert {_safe(doc['source'])} DST --stream` converts without a local copy; "
                    f"without --stream the {doc['total_bytes'] / 1e9:.3f} GB are downloaded into huggingface_hub's cache "
                    "first", markup=False)

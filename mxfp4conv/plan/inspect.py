@@ -36,6 +36,9 @@ class InspectReport:
     problems: list[Problem] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)
     hub: dict[str, Any] | None = None  # a repo read on the Hub: repo id, commit, files' sizes and sha256
+    # not in the --json report: SRC's bytes come at a link's rate (a Hub repo read by range), so that
+    # `convert --stream` converts it without a local copy
+    at_link_rate: bool = False
 
     @property
     def exit_code(self) -> int:
@@ -85,7 +88,7 @@ def writer_context(plan: Plan, ckpt: Checkpoint, options: TargetOptions | Mappin
     pt = {u.key: (ckpt.tensors[u.key].dtype, ckpt.tensors[u.key].shape) for u in plan.units if u.kind == "passthrough"}
     typed = options if isinstance(options, TargetOptions) else TargetOptions.parse(options or {})
     return WriterContext(plan.facts, plan.layout, plan.units, pt, typed, plan.precision, src_config=ckpt.config,
-                         source=ckpt.repo_id or ckpt.root.name, source_is_repo=ckpt.repo_id is not None,
+                         **ckpt.source.writer_facts(),
                          read_file=ckpt.read_extra)
 
 
@@ -163,14 +166,5 @@ def inspect_checkpoint(src: str | Path, revision: str | None = None) -> InspectR
         source=str(src), layout=plan.layout, evidence=evidence, plan=plan, tensors=len(ckpt.tensors),
         total_bytes=ckpt.total_bytes, files=[ckpt.rel(f) for f in ckpt.shard_files],
         targets=valid_targets(ctx) if not plan.problems else [], problems=plan.problems,
-        refused=refusals(ctx) if not plan.problems else {}, hub=_hub_facts(ckpt))
-
-
-def _hub_facts(ckpt: Checkpoint) -> dict[str, Any] | None:
-    repo = ckpt.remote
-    if repo is None:
-        return None
-    return {"repo_id": repo.repo_id, "revision": repo.revision, "commit": repo.commit,
-            "read_from": repo.read_from, "header_bytes_fetched": repo.fetched,
-            "files": {ckpt.rel(f): {"size": repo.files[ckpt.rel(f)].size, "sha256": repo.files[ckpt.rel(f)].sha256}
-                      for f in ckpt.shard_files}}
+        refused=refusals(ctx) if not plan.problems else {}, hub=ckpt.source.inspect_facts(ckpt),
+        at_link_rate=ckpt.source.at_link_rate)

@@ -105,19 +105,12 @@ def convert_on_ray(src: str | Path, dst: str | Path, opts: ConvertOptions, addre
     if opts.device == "auto":  # the driver's GPUs decide; an explicit device is the tasks' (their nodes have it)
         opts = dataclasses.replace(opts, device=resolve_device(opts.device))
     plan = convert(src, dst, dataclasses.replace(opts, dry_run=True))  # input and DST checks, shard list
-    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(ConvertReport)}
     if plan.status == "skipped":
-        return RayConvertReport(**fields)
+        return RayConvertReport(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(ConvertReport)})
     gpu = opts.device.startswith("cuda")
     owned = not ray.is_initialized()  # a library caller already connected keeps its connection
     if owned:
-        _probe(address)
-        try:
-            ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR, configure_logging=True)
-        except Exception as exc:  # ConnectionError, ValueError (bad address), RuntimeError, ...
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise EnvironmentProblem(f"cannot connect to the Ray cluster at {address}: {first}",
-                             hint="check the address (HOST:PORT of `ray start --head`) and that Ray versions match") from exc
+        _connect(ray, address)
     try:
         resource = "GPU" if gpu else "CPU"
         slots = int(ray.cluster_resources().get(resource, 0))
@@ -125,10 +118,6 @@ def convert_on_ray(src: str | Path, dst: str | Path, opts: ConvertOptions, addre
             raise EnvironmentProblem(f"the Ray cluster at {address} has no {resource}s",
                              hint="use --device cpu" if gpu else "start the nodes with --num-cpus >= 1")
         n = max(1, min(len(plan.shards), slots))
-        if plan.hub is not None:  # every task reads the commit the plan was made from, whatever the branch does meanwhile
-            src_abs = f"{plan.hub['repo_id']}@{plan.hub['commit']}"
-        else:
-            src_abs = os.path.abspath(src)
         dst_abs = os.path.abspath(dst)
         staging = staging_path(Path(dst_abs))
         if not opts.resume:
@@ -138,12 +127,8 @@ def convert_on_ray(src: str | Path, dst: str | Path, opts: ConvertOptions, addre
         task_opts = dataclasses.replace(opts, device="cuda" if gpu else opts.device, revision=None, resume=False,
                                         skip_if_current=False, overwrite=overwrite)
         t_tasks = time.perf_counter()
-        remote = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(_run_partition)
-        refs = {remote.options(name=f"mxfp4conv-partition-{i}of{n}")
-                .remote(src_abs, dst_abs, dataclasses.replace(task_opts, partition=(i, n))): i for i in range(n)}
-        sizes = [0] * n
-        for j, shard in enumerate(plan.shards):
-            sizes[j % n] += int(shard["bytes"])
+        refs = _submit(ray, n, gpu, plan.task_source, dst_abs, task_opts)
+        sizes = [sum(int(sh["bytes"]) for sh in plan.shards[i::n]) for i in range(n)]
         shard_bytes = {str(sh["file"]): int(sh["bytes"]) for sh in plan.shards}
         results = _wait_all(ray, refs, n, sizes, on_progress, staging if not opts.resume else None,
                             (staging, shard_bytes))
@@ -159,14 +144,39 @@ def convert_on_ray(src: str | Path, dst: str | Path, opts: ConvertOptions, addre
     finally:
         if owned:
             ray.shutdown()  # never leave the driver connected
-    fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(ConvertReport)}
-    out = RayConvertReport(**fields)
-    for key in ("read", "transform", "write", "hash"):  # summed over tasks: busy seconds, not wall time
-        out.seconds[key] = out.seconds.get(key, 0.0) + sum(r["seconds"].get(key, 0.0) for r in results)
+    out = _merged(report, results)
     out.seconds["tasks"] = t_tasks
     out.seconds["total"] = time.perf_counter() - t_start
     out.ray = {"address": address, "tasks": n, "nodes": len({r.get("node_id") for r in results}),
                "resource": resource}
+    return out
+
+
+def _submit(ray: Any, n: int, gpu: bool, src: str, dst: str, opts: ConvertOptions) -> dict[Any, int]:
+    """Start the ``n`` partitions' tasks: each task's ref, with its partition. ``src``: the source as a
+    task reads it (a Hub repo at the commit the plan was made from, whatever the branch does meanwhile)."""
+    task = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(_run_partition)
+    return {task.options(name=f"mxfp4conv-partition-{i}of{n}")
+            .remote(src, dst, dataclasses.replace(opts, partition=(i, n))): i for i in range(n)}
+
+
+def _connect(ray: Any, address: str) -> None:
+    """Connect the driver to the cluster at ``address``."""
+    _probe(address)
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR, configure_logging=True)
+    except Exception as exc:  # ConnectionError, ValueError (bad address), RuntimeError, ...
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise EnvironmentProblem(f"cannot connect to the Ray cluster at {address}: {first}",
+                                 hint="check the address (HOST:PORT of `ray start --head`) and that Ray versions "
+                                      "match") from exc
+
+
+def _merged(report: ConvertReport, results: list[dict[str, Any]]) -> RayConvertReport:
+    """The finishing run's report, with the tasks' busy seconds (summed over tasks, not wall time)."""
+    out = RayConvertReport(**{f.name: getattr(report, f.name) for f in dataclasses.fields(ConvertReport)})
+    for key in ("read", "transform", "write", "hash"):
+        out.seconds[key] = out.seconds.get(key, 0.0) + sum(r["seconds"].get(key, 0.0) for r in results)
     return out
 
 

@@ -280,37 +280,34 @@ def card_facts(job: Job, src: str | Path, requant_stats: dict[str, dict[str, Any
     from mxfp4conv import __version__
     from mxfp4conv.plan.inspect import fp4_experts
 
-    ckpt, opts, repo = job.ckpt, job.opts, job.ckpt.remote
-    path = (Path(repo.download(CARD)) if CARD in repo.files else None) if repo is not None else ckpt.root / CARD
-    card = read_source_card(path.read_text(encoding="utf-8", errors="replace") if path and path.is_file() else None)
+    opts, source = job.opts, job.ckpt.source
+    path = source.file(CARD)
+    card = read_source_card(path.read_text(encoding="utf-8", errors="replace") if path is not None else None)
     earlier = None
-    if repo is None and (ckpt.root / "mxfp4conv.json").is_file():
+    if (own := source.own_file("mxfp4conv.json")) is not None:  # an earlier conversion in a folder
         try:
-            earlier = json.loads((ckpt.root / "mxfp4conv.json").read_text())
+            earlier = json.loads(own.read_text())
         except (OSError, ValueError):
             earlier = None
-    source = ckpt.repo_id or Path(str(src)).name
     kinds = [u.kind for u in job.plan.units]
     return CardFacts(
-        source=source, repo_id=ckpt.repo_id, commit=ckpt.revision if ckpt.repo_id else None,
-        base_model=base_model_of(opts.base_model, ckpt.repo_id, card, earlier if isinstance(earlier, dict) else None),
-        layout=job.plan.layout, target=job.target.NAME, version=__version__, command=_command(job, source),
+        source=source.label, repo_id=source.repo_id, commit=source.commit,
+        base_model=base_model_of(opts.base_model, source.repo_id, card, earlier if isinstance(earlier, dict) else None),
+        layout=job.plan.layout, target=job.target.NAME, version=__version__, command=_command(job),
         precision=job.plan.precision.counts(fp4_experts(job.plan), kinds.count("dense")),
         kv_cache=job.plan.precision.kv_cache, requantized=job.needs_device, scale_rule=opts.scale_rule,
         requant_stats=requant_stats, verified=opts.verify, tp_size=job.ctx.target_options.tp_size, card=card,
         kept_nvfp4=job.ctx.target_options.keep_nvfp4 and job.ctx.facts.source_quant == "nvfp4")
 
 
-def _command(job: Job, source: str) -> str:
+def _command(job: Job) -> str:
     """The ``convert`` command with the options that change the output's bytes."""
     from mxfp4conv.plan.job import ConvertOptions
 
     opts, t = job.opts, job.opts.target_options
     # DST as in "how to run it": the card is the same wherever the output was written
-    words = ["mxfp4conv", "convert", source if job.ckpt.repo_id else f"./{source}", "DST",
-             "--to", job.target.NAME]
-    if job.ckpt.repo_id and opts.revision:
-        words += ["--revision", opts.revision]
+    words = ["mxfp4conv", "convert", job.ckpt.source.command_arg(), "DST", "--to", job.target.NAME,
+             *job.ckpt.source.revision_words(opts.revision)]
     if job.needs_device:
         words += ["--scale-rule", opts.scale_rule]
     if opts.max_shard_size != ConvertOptions().max_shard_size:

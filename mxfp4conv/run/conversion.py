@@ -11,7 +11,6 @@ while its bytes arrive and the run ends soon after the last one.
 from __future__ import annotations
 
 import heapq
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,9 +118,7 @@ class _Window:
 def extra_files(ckpt: Checkpoint) -> list[str]:
     """SRC's other top-level files (tokenizer, generation config, ...) that the output carries as they
     are, and ``hf_quant_config.json`` where there is one (kept only where layers stay NVFP4)."""
-    repo = ckpt.remote
-    names = sorted(n for n in repo.files if "/" not in n) if repo is not None else sorted(
-        p.name for p in ckpt.root.iterdir() if p.is_file())
+    names = ckpt.source.top_files()
     return [n for n in names if n == "hf_quant_config.json" or not (
         n in _SKIP_FILES or n.endswith(".safetensors") or Path(n).suffix in PICKLE_SUFFIXES)]
 
@@ -129,12 +126,11 @@ def extra_files(ckpt: Checkpoint) -> list[str]:
 def _copy_extras(ckpt: Checkpoint, dst: Path, drop_hqc: bool) -> list[str]:
     """SRC's other top-level files into ``dst``; a Hub repo's are downloaded (they are small), its
     weights never."""
-    repo = ckpt.remote
     copied = []
     for name in extra_files(ckpt):
         if name == "hf_quant_config.json" and drop_hqc:
             continue
-        shutil.copyfile(repo.download(name) if repo is not None else ckpt.root / name, dst / name)
+        ckpt.source.copy(name, dst / name)
         copied.append(name)
     return copied
 
@@ -217,7 +213,7 @@ class Conversion:
         opts = self.job.opts
         # a remote source's shards are read at the link's rate, far below what one shard's hasher takes:
         # one shard at a time, so that the conversion reads one source shard at a time, in order
-        most = 1 if self._paced() else SHARD_WINDOW
+        most = 1 if self.job.ckpt.source.at_link_rate else SHARD_WINDOW
         work = []
         j = -1
         for rank in self.job.output.ranks:
@@ -266,18 +262,14 @@ class Conversion:
         """What a unit is produced as: its expert groups from a remote source on one device (a unit read
         from local disk is there whole at once), else the unit."""
         job = self.job
-        if not self._paced() or len(devices(job.opts)) > 1:
+        if not job.ckpt.source.at_link_rate or len(devices(job.opts)) > 1:
             return (unit,)
         return expert_groups(unit, job.ckpt, job.layout, job.target, ctx)
-
-    def _paced(self) -> bool:
-        """SRC's bytes arrive at a link's rate (a Hub repo read by range), not at a disk's."""
-        return self.job.ckpt.remote is not None and self.job.ckpt.remote.paced
 
     def _reuse(self, shard: PlannedShard, path: Path, rec: dict[str, Any] | None) -> bool:
         """Take a shard an earlier run finished, if its bytes still hash as recorded (and, from a
         remote source, every source file it was made from was checked against the Hub's sha256)."""
-        if reuse(path, rec) and self._sources_checked(rec):
+        if reuse(path, rec) and self.job.ckpt.source.trusts(rec, self.fin.checked):
             assert rec is not None
             self.outputs[shard.rel] = rec["sha256"]
             self.report.requant_stats.update(rec.get("stats", {}))
@@ -296,23 +288,13 @@ class Conversion:
                                hint="rerun the --partition i/n conversion that owns it (shard index mod n)")
         return False
 
-    def _sources_checked(self, rec: dict[str, Any] | None) -> bool:
-        repo = self.job.ckpt.remote
-        if repo is None or rec is None:
-            return True
-        names = rec.get("sources")
-        return isinstance(names, list) and all(
-            isinstance(n, str) and n in repo.files and self.fin.checked.get(n) == repo.files[n].sha256 for n in names)
-
-    def _sources(self, shard: PlannedShard) -> list[str]:
-        """The remote source files the shard's units read."""
-        repo = self.job.ckpt.remote
-        assert repo is not None
+    def _sources(self, shard: PlannedShard) -> dict[str, list[str]]:
+        """The source files the shard's units read, as its record keeps them (``Source.sources_of``)."""
         ckpt = self.job.ckpt
         files = {s.file for u in shard.units for s in (u.direct or ())}
         files |= {ckpt.tensors[n].file for u in shard.units if u.direct is None for n in u.spec.sources
                   if n in ckpt.tensors}
-        return sorted(repo.name_of(f) for f in files)
+        return ckpt.source.sources_of(shard.rel, files)
 
     def _split(self, shard: PlannedShard) -> Split:
         """Which file of its rank's output ``shard`` is."""
@@ -343,8 +325,7 @@ class Conversion:
         try:
             for shard, path in todo:
                 remove_tree(path)
-                if self.job.ckpt.remote is not None:
-                    self.fin.sources[shard.rel] = self._sources(shard)
+                self.fin.sources.update(self._sources(shard))
                 target = self.job.target
                 stream = ShardStream(path, [(t.name, t.dtype, t.shape) for t in shard.tensors],
                                      target.shard_metadata(ctx, self._split(shard)), self.fin.budget, target.CONTAINER)

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mxfp4conv import __version__
-from mxfp4conv.errors import ConvertError, OutputError, StagingError, UsageError
+from mxfp4conv.errors import OutputError, StagingError, UsageError
 from mxfp4conv.plan.inspect import SCHEMA_VERSION
 from mxfp4conv.plan.job import (  # re-exported: the options and helpers callers know from here
     GB,
@@ -38,7 +36,6 @@ from mxfp4conv.run.card import CARD, build_card, card_facts, check_base_model
 from mxfp4conv.run.conversion import Conversion, Progress, ShardDone, extra_files
 from mxfp4conv.run.staging import PROGRESS_GLOB, json_bytes, prepare_staging, sha256_file
 from mxfp4conv.sources.checkpoint import Checkpoint
-from mxfp4conv.sources.hub import RemoteRepo
 
 __all__ = ["GB", "MANIFEST", "ConvertOptions", "ConvertReport", "Job", "Progress", "convert", "cpu_kernel", "devices",
            "prepare", "resolve_device"]
@@ -67,6 +64,8 @@ class ConvertReport:
     requantized_on: dict[str, int] = field(default_factory=dict)
     # a Hub repo read by range (--stream): repo id, revision, commit, bytes fetched, each shard's sha256
     hub: dict[str, Any] | None = None
+    # not a field (no --json key): what a Ray task of the conversion reads (``Source.task_source``)
+    task_source = ""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -77,26 +76,7 @@ class ConvertReport:
 def source_fingerprint(ckpt: Checkpoint) -> dict[str, Any]:
     """Hashes identifying the source: full sha256 of JSON files, header sha256 + size of shards (the same
     for a Hub repo read remotely as for a local copy of it)."""
-    out: dict[str, Any] = {}
-    repo = ckpt.remote
-    # the source's card too: DST's card carries its metadata and text
-    for name in ("config.json", "hf_quant_config.json", "model.safetensors.index.json", CARD):
-        if repo is not None and name in repo.files:
-            out[name] = {"sha256": sha256_file(repo.download(name))}
-        elif repo is None and (ckpt.root / name).exists():
-            out[name] = {"sha256": sha256_file(ckpt.root / name)}
-    for f in ckpt.shard_files:
-        if repo is not None:
-            raw = repo.read_header_bytes(repo.name_of(f))
-            n = int.from_bytes(raw[:8], "little")
-            head, size = raw[8:8 + n], repo.size(f)
-        else:
-            with open(f, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                head = fh.read(n)
-            size = f.stat().st_size
-        out[ckpt.rel(f)] = {"size": size, "header_sha256": hashlib.sha256(head).hexdigest()}
-    return out
+    return ckpt.source.fingerprint(ckpt)
 
 
 def check_hasher() -> None:
@@ -135,76 +115,56 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
     try:
         return _convert(src, Path(dst), job, t_start, on_progress, on_fetch, on_shard)
     finally:
-        if job.ckpt.remote is not None:  # a fetch started early and not taken over (the run stopped before)
-            job.ckpt.remote.end_prefetch()
+        job.ckpt.source.end()  # a fetch started early and not taken over (the run stopped before)
 
 
 def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: Progress | None,
              on_fetch: Progress | None = None, on_shard: ShardDone | None = None) -> ConvertReport:
     """``convert`` once SRC is planned: options resolved, then skip / dry run / write, prove, publish."""
-    opts, ctx, plan, target = job.opts, job.ctx, job.plan, job.target
-    opts = dataclasses.replace(opts, device=resolve_device(opts.device, needs_device(ctx)))
+    ctx = job.ctx
+    opts = dataclasses.replace(job.opts, device=resolve_device(job.opts.device, needs_device(ctx)))
     job = job.with_options(opts)
-    report = ConvertReport(str(src), str(dst), plan.layout, target.NAME, "dry-run" if opts.dry_run else "converted")
-    repo = job.ckpt.remote
-    names = [repo.name_of(f) for f in job.ckpt.shard_files] if repo is not None else []
-    fetch_count = _fetch_counter(sum(repo.files[n].size for n in names), on_fetch) if repo is not None else None
+    report = ConvertReport(str(src), str(dst), job.plan.layout, job.target.NAME,
+                           "dry-run" if opts.dry_run else "converted")
+    source = job.ckpt.source
     # a whole stream starts now: its first blocks come in while torch is imported and the run is set
     # up (a partition or a resumed run knows which files it reads only once its shards are planned)
     every_file = not (opts.partition is not None or opts.finish or opts.resume)
-    if (repo is not None and every_file and not opts.dry_run
-            and not (opts.skip_if_current and (dst / MANIFEST).exists())):
-        repo.prefetch(names, fetch_count)
+    source.begin(job.ckpt, on_fetch, every_file=every_file, prefetch=every_file and not opts.dry_run
+                 and not (opts.skip_if_current and (dst / MANIFEST).exists()))
     if needs_device(ctx):
         report.compute = {"devices": devices(opts), "cpu_kernel": cpu_kernel(opts.device, not opts.dry_run)}
-    fingerprint: dict[str, Any] = {"tool": __version__, "source": source_fingerprint(job.ckpt),
-                                   "options": opts.fingerprint_dict()}
-    if needs_device(ctx):
-        fingerprint["numerics"] = REQUANT_NUMERICS  # outputs of another requant contract are not current
-    if opts.skip_if_current and (dst / MANIFEST).exists():
-        try:
-            old = json.loads((dst / MANIFEST).read_text())
-        except (OSError, ValueError):
-            old = {}
-        if old.get("fingerprint") == fingerprint:
-            report.status = "skipped"
-            report.seconds["total"] = time.perf_counter() - t_start
-            return report
+    fingerprint = _fingerprint(job)
+    if opts.skip_if_current and (dst / MANIFEST).exists() and _is_current(dst, fingerprint):
+        report.status = "skipped"
+        report.seconds["total"] = time.perf_counter() - t_start
+        return report
     if not opts.dry_run:
         check_hasher()
-    check_destination(None if job.ckpt.remote else job.ckpt.root, dst, overwrite=opts.overwrite or opts.skip_if_current)
+    check_destination(source.folder, dst, overwrite=opts.overwrite or opts.skip_if_current)
     _fill_plan_report(report, job)
-    if job.ckpt.remote is not None:  # the commit the plan is made from (--ray pins its tasks to it)
-        pinned = job.ckpt.remote
-        report.hub = {"repo_id": pinned.repo_id, "revision": pinned.revision, "commit": pinned.commit}
+    report.hub, report.task_source = source.pinned(), source.task_source(src)
     if opts.dry_run:
         report.seconds["total"] = time.perf_counter() - t_start
         return report
+    return _write(src, dst, job, report, fingerprint, t_start, on_progress, on_shard)
 
+
+def _write(src: str | Path, dst: Path, job: Job, report: ConvertReport, fingerprint: dict[str, Any], t_start: float,
+           on_progress: Progress | None, on_shard: ShardDone | None) -> ConvertReport:
+    """Write, prove and publish a planned conversion (its partition's shards alone, with ``--partition``);
+    the staging folder removed on failure unless a later run resumes it."""
+    opts, source = job.opts, job.ckpt.source
     staging = staging_path(dst)
     finished, checked = prepare_staging(staging, fingerprint, opts)
     keep_staging = opts.resume or opts.partition is not None or opts.finish
-    verifier = InlineVerifier(target, str(src), str(dst)) if opts.verify else None
+    verifier = InlineVerifier(job.target, str(src), str(dst)) if opts.verify else None
     try:
         run = Conversion(job, staging, report, fingerprint, verifier, on_progress, on_shard)
-        if repo is None:
-            outputs = run.write(finished)
-        else:
-            # the shards fetched once, in order, while the conversion reads them; every shard's bytes
-            # against the Hub's sha256 before anything is published
-            # the small files the output carries, fetched beside the shards rather than after them
-            threading.Thread(target=_download_extras, args=(repo, extra_files(job.ckpt)), name="mxfp4conv-extras",
-                             daemon=True).start()
-            # a partition or a resumed run fetches only the files its shards read (each whole, to check it)
-            with repo.streaming(names, fetch_count, on_checked=run.fin.check_source, every_file=every_file) as stream:
-                outputs = run.write(finished, checked)
-                digests = stream.finish()
-            # this run's checks, and those of earlier runs whose shards it took
-            shown = {n: d for n, d in run.fin.checked.items() if n in names} | digests
-            report.hub = {"repo_id": repo.repo_id, "revision": repo.revision, "commit": repo.commit,
-                          "read_from": repo.read_from, "checked_against": repo.checked_against,
-                          "bytes_fetched": repo.fetched, "bytes_fetched_again": stream.refetched,
-                          "bytes_held_peak": stream.peak, "files": dict(sorted(shown.items()))}
+        # a Hub repo's shards fetched once, in order, while the conversion reads them
+        with source.streaming(run.fin.check_source, extra_files(job.ckpt)):
+            outputs = run.write(finished, source.trusted(checked))
+        report.hub = source.run_report(run.fin.checked)
         if opts.partition is not None:
             report.status = "partial"
             report.seconds["total"] = time.perf_counter() - t_start
@@ -214,24 +174,9 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
         outputs = _write_card(job, src, staging, outputs, report)
         if verifier is not None:
             t0 = time.perf_counter()
-            if run.reused and repo is not None:
-                report.verify = _recorded_proof(run, verifier, job, staging)
-            elif run.reused:  # shards of an earlier run (--resume, --finish): proven again, in full
-                from mxfp4conv.proof.verify import verify_output
-
-                report.verify = verify_output(job.ckpt.root, staging, job=job).to_dict()
-            else:
-                check_structure(verifier, job, staging)
-                report.verify = verifier.report()
+            report.verify = _prove(run, verifier, job, staging)
             report.seconds["verify"] = report.seconds.get("verify", 0.0) + time.perf_counter() - t0
-        manifest: Manifest = {
-            "schema_version": SCHEMA_VERSION, "tool": "mxfp4conv", "version": __version__,
-            "source": {"name": Path(str(src)).name, "repo_id": job.ckpt.repo_id, "revision": job.ckpt.revision,
-                       "layout": plan.layout, "files": fingerprint["source"]},
-            "target": target.NAME, "options": opts.fingerprint_dict() | {"device_independent": True},
-            "fingerprint": fingerprint, "outputs": outputs, "requant_stats": report.requant_stats,
-            "verified": bool(report.verify and report.verify.get("ok"))}
-        (staging / MANIFEST).write_bytes(json_bytes(manifest))
+        (staging / MANIFEST).write_bytes(json_bytes(_manifest(job, src, fingerprint, outputs, report)))
         publish(staging, dst)
     except OutputError:
         if opts.partition is None:  # e.g. a full disk: nothing worth resuming; other partitions' shards are kept
@@ -248,6 +193,50 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
         raise
     report.seconds["total"] = time.perf_counter() - t_start
     return report
+
+
+def _fingerprint(job: Job) -> dict[str, Any]:
+    """What makes an output current: the tool, the source's fingerprint, the options (and, where units are
+    requantized, the numerics contract)."""
+    fingerprint: dict[str, Any] = {"tool": __version__, "source": source_fingerprint(job.ckpt),
+                                   "options": job.opts.fingerprint_dict()}
+    if needs_device(job.ctx):
+        fingerprint["numerics"] = REQUANT_NUMERICS  # outputs of another requant contract are not current
+    return fingerprint
+
+
+def _is_current(dst: Path, fingerprint: dict[str, Any]) -> bool:
+    """DST's manifest records ``fingerprint`` (``--skip-if-current``)."""
+    try:
+        old = json.loads((dst / MANIFEST).read_text())
+    except (OSError, ValueError):
+        old = {}
+    return bool(old.get("fingerprint") == fingerprint)
+
+
+def _prove(run: Conversion, verifier: InlineVerifier, job: Job, staging: Path) -> dict[str, Any]:
+    """The proof's report: inline as the shards were written, or, for shards of an earlier run (--resume,
+    --finish), recorded (a source that is not read again) or proven again, in full."""
+    if run.reused and not job.ckpt.source.READ_AGAIN:
+        return _recorded_proof(run, verifier, job, staging)
+    if run.reused:
+        from mxfp4conv.proof.verify import verify_output
+
+        return verify_output(job.ckpt.root, staging, job=job).to_dict()
+    check_structure(verifier, job, staging)
+    return verifier.report()
+
+
+def _manifest(job: Job, src: str | Path, fingerprint: dict[str, Any], outputs: dict[str, str],
+              report: ConvertReport) -> Manifest:
+    source = job.ckpt.source
+    return {
+        "schema_version": SCHEMA_VERSION, "tool": "mxfp4conv", "version": __version__,
+        "source": {"name": Path(str(src)).name, "repo_id": source.repo_id, "revision": source.commit,
+                   "layout": job.plan.layout, "files": fingerprint["source"]},
+        "target": job.target.NAME, "options": job.opts.fingerprint_dict() | {"device_independent": True},
+        "fingerprint": fingerprint, "outputs": outputs, "requant_stats": report.requant_stats,
+        "verified": bool(report.verify and report.verify.get("ok"))}
 
 
 def _write_card(job: Job, src: str | Path, staging: Path, outputs: dict[str, str], report: ConvertReport
@@ -273,29 +262,6 @@ def _recorded_proof(run: Conversion, verifier: InlineVerifier, job: Job, staging
     doc.update(units=sum(len(s.units) for _, s in job.output.shards()),
                tensors=sum(len(s.tensors) for _, s in job.output.shards()), mode="inline, as each shard was written")
     return doc
-
-
-def _download_extras(repo: RemoteRepo, names: list[str]) -> None:
-    """Bring ``names`` into huggingface_hub's cache now; a failure is met again, and said, where the
-    output's copy of the file downloads it."""
-    for name in names:
-        with contextlib.suppress(ConvertError):
-            repo.download(name)
-
-
-def _fetch_counter(total: int, on_fetch: Progress | None) -> Callable[[int], None] | None:
-    """``on_fetch(done, total)`` from the fetch's threads, one call at a time."""
-    if on_fetch is None:
-        return None
-    lock = threading.Lock()
-    done = [0]
-
-    def count(n: int) -> None:
-        with lock:
-            done[0] += n
-            on_fetch(done[0], total)
-
-    return count
 
 
 def _start_device(opts: ConvertOptions) -> threading.Thread | None:

@@ -21,6 +21,7 @@ from mxfp4conv.errors import InputError
 from mxfp4conv.files.safetensors import TensorRef, load_json, parse_header, read_header
 from mxfp4conv.sources import hub, hub_cache
 from mxfp4conv.sources.hub_cache import PICKLE_SUFFIXES
+from mxfp4conv.sources.source import HubSource, LocalSource, Source
 
 __all__ = ["PICKLE_SUFFIXES", "Checkpoint", "open_checkpoint"]
 
@@ -44,18 +45,24 @@ class Checkpoint:
     remote: hub.RemoteRepo | None = field(default=None, repr=False, compare=False)
     _rel: dict[Path, str] = field(default_factory=dict, repr=False, compare=False)
     _extra: dict[str, bytes | None] = field(default_factory=dict, repr=False, compare=False)
+    _source: Source | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def source(self) -> Source:
+        """What the conversion asks of SRC, whatever kind it is (mxfp4conv/sources/source.py): the one
+        place that looks at which kind it is."""
+        if self._source is None:
+            self._source = HubSource(self.remote) if self.remote is not None else LocalSource(self.root)
+        return self._source
 
     def read_extra(self, name: str) -> bytes | None:
         """A small top-level file of the checkpoint (tokenizer files) by name, None when it has none; a Hub
         repo's is downloaded (checked as every file is)."""
         if name not in self._extra:
             got: bytes | None = None
-            if "/" in name or name.startswith("."):
-                pass
-            elif self.remote is not None:
-                got = Path(self.remote.download(name)).read_bytes() if name in self.remote.files else None
-            elif (self.root / name).is_file():
-                got = (self.root / name).read_bytes()
+            if "/" not in name and not name.startswith("."):
+                path = self.source.file(name)
+                got = path.read_bytes() if path is not None else None
             self._extra[name] = got
         return self._extra[name]
 
