@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +35,19 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.section("measured numbers")
         for line in REPORT:
             terminalreporter.write_line(line)
+
+
+_GPU_MARK = re.compile(r"mark\.gpu|\"gpu\"")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m gpu`` (``make test-gpu``, often on a GPU machine without the CPU suites' test dependencies,
+    such as gguf or ray), a test file that marks nothing ``gpu`` is not imported at all."""
+    if config.getoption("markexpr") != "gpu" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    return _GPU_MARK.search(collection_path.read_text()) is None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
