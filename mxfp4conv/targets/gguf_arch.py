@@ -119,6 +119,21 @@ def _deepseek2(cfg: Mapping[str, Any]) -> list[KV]:
     return out
 
 
+def _glm4moe(cfg: Mapping[str, Any]) -> list[KV]:
+    # partial rotary embedding; sigmoid routing with a correction bias; leading dense layers; one shared expert
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    out = [*_common(cfg), _u32("feed_forward_length", cfg["intermediate_size"]), *_head_dim(cfg),
+           _u32("rope.dimension_count", int(head_dim * float(cfg.get("partial_rotary_factor", 0.5)))),
+           _u32("expert_feed_forward_length", cfg["moe_intermediate_size"]),
+           _u32("expert_shared_count", cfg.get("n_shared_experts", 0)),
+           _u32("leading_dense_block_count", cfg.get("first_k_dense_replace", 0)),
+           _u32("expert_gating_func", 2),
+           _f32("expert_weights_scale", cfg.get("routed_scaling_factor", 1.0))]
+    if cfg.get("norm_topk_prob"):
+        out.append(KV("expert_weights_norm", VType.BOOL, True))
+    return out
+
+
 _NORMS = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight"}
 _QKVO = {f"self_attn.{hf}_proj.{p}": f"attn_{gg}.{p}" for hf, gg in (("q", "q"), ("k", "k"), ("v", "v"),
                                                                          ("o", "output")) for p in ("weight", "bias")}
@@ -144,6 +159,13 @@ ARCHS: dict[str, Arch] = {
                         _deepseek2, mla=True, mtp=True),
 }
 ARCHS["kimi_k2"] = ARCHS["deepseek_v3"]
+# GLM-4.5 / 4.6: its MTP layers (past num_hidden_layers) are left out, as for DeepSeek; llama.cpp then runs the trunk
+ARCHS["glm4_moe"] = Arch("glm4moe", {"input_layernorm.weight": "attn_norm.weight",
+                                     "post_attention_layernorm.weight": "post_attention_norm.weight", **_QKVO,
+                                     "self_attn.q_norm.weight": "attn_q_norm.weight",
+                                     "self_attn.k_norm.weight": "attn_k_norm.weight", **_MLP, **_SHARED,
+                                     "mlp.gate.weight": "ffn_gate_inp.weight",
+                                     "mlp.gate.e_score_correction_bias": "exp_probs_b.bias"}, _glm4moe, mtp=True)
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 

@@ -30,7 +30,7 @@ EXPECTED = {
     "ct-nvfp4-qwen3-next": "not 'qwen3_next'",
     "ct-nvfp4-qwen3-vl-moe": "not 'qwen3_vl_moe'",
     "ct-nvfp4-llama4": "not 'llama4'",
-    "ct-nvfp4-glm45": "not 'glm4_moe'",
+    "ct-nvfp4-glm45": CONVERTS,
     "ct-mixed-nvfp4-fp8block-deepseek-r1": "model.layers.0.self_attn.kv_b_proj: fp8-block",
     "quark-mxfp4-deepseek-r1": CONVERTS,
     "quark-nvfp4-deepseek-r1": CONVERTS,

@@ -122,9 +122,10 @@ def _merge(word: list[str], pair: tuple[str, str]) -> list[str]:
 def sources(root: Path) -> list[Case]:
     """Every input layout on a tiny Qwen3-MoE, AutoRound's Qwen3-MoE with FP4 attention, GPT-OSS (native MXFP4,
     biases, sinks, sliding window, YaRN) and DeepSeek-R1's replicas (MLA, a dense FP4 MLP, shared experts, an
-    MTP layer; NVIDIA's NVFP4 with an FP8 KV cache and AMD's Quark MXFP4)."""
+    MTP layer; NVIDIA's NVFP4 with an FP8 KV cache and AMD's Quark MXFP4), and GLM-4.5's llm-compressor NVFP4
+    replica (partial rotary, attention biases, sigmoid routing, a leading dense layer, a shared expert)."""
     from tests.replicas import deepseek
-    from tests.replicas.ct_families import autoround_mxfp4
+    from tests.replicas.ct_families import autoround_mxfp4, glm45
     from tests.serving.serving_sources import build_moe
 
     out: dict[str, tuple[Path, str]] = {}
@@ -136,6 +137,7 @@ def sources(root: Path) -> list[Case]:
     out["gpt_oss"] = (_with_yarn(builders.build("gpt-oss", root / "gpt-oss")), "gpt_oss")
     out["deepseek_v3-modelopt-nvfp4-r1"] = (deepseek.modelopt_nvfp4_r1(root / "r1").path, "deepseek_v3")
     out["deepseek_v3-quark-mxfp4-r1"] = (deepseek.quark_mxfp4_r1(root / "r1-quark").path, "deepseek_v3")
+    out["glm4_moe-ct-nvfp4"] = (glm45(root / "glm45").path, "glm4_moe")
     out["qwen3_moe-modelopt-nvfp4-h128"] = (build_moe("qwen3_moe", root / "h128", seed=3).paths["modelopt-nvfp4"],
                                             "qwen3_moe")
     cases = []

@@ -36,7 +36,7 @@ TOL = 0.02
 CASES = ["qwen3_moe-ct-mxfp4", "qwen3_moe-modelopt-nvfp4", "qwen3_moe-ct-nvfp4", "qwen3_moe-quark-mxfp4",
          "qwen3_moe-quark-nvfp4",
          "qwen3_moe-autoround-mxfp4", "gpt_oss", "deepseek_v3-modelopt-nvfp4-r1", "deepseek_v3-quark-mxfp4-r1",
-         "qwen3_moe-modelopt-nvfp4-h128", "qwen3_moe-modelopt-nvfp4-h128--keep-nvfp4", SHARDED]
+         "qwen3_moe-modelopt-nvfp4-h128", "qwen3_moe-modelopt-nvfp4-h128--keep-nvfp4", "glm4_moe-ct-nvfp4", SHARDED]
 
 
 def _result(ran: Ran, name: str) -> dict[str, Any]:
