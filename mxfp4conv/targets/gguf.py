@@ -14,6 +14,7 @@ is llama.cpp's: the architecture's hyper-parameters from config.json, the tokeni
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -130,6 +131,35 @@ def _vocab_refusal(ctx: WriterContext) -> str | None:
     return None
 
 
+_QK = re.compile(r"\.self_attn\.([qk])_proj(\.weight|\.bias)?$")
+
+
+def _qk_rows(spec: UnitSpec, ctx: WriterContext) -> torch.Tensor | None:
+    """For an architecture llama.cpp runs with interleaved rotary pairs, the row order its converter gives a Q
+    or K projection: in each head, row j of the first half then row j of the second (rotate-half -> pairs)."""
+    import torch
+
+    m = _QK.search(spec.key)
+    if m is None or not ARCHS[ctx.facts.model_type].qk_permute or spec.kind == "moe":
+        return None
+    cfg = ctx.src_config
+    heads = int(cfg["num_attention_heads"] if m[1] == "q" else cfg.get("num_key_value_heads", cfg["num_attention_heads"]))
+    rows = spec.dims[0] if spec.kind == "dense" else ctx.passthrough_dtypes[spec.key][1][0]
+    half = rows // heads // 2
+    return torch.tensor([h * 2 * half + t * half + j for h in range(heads) for j in range(half) for t in range(2)])
+
+
+def _rows(unit: Canonical, perm: torch.Tensor) -> Canonical:
+    """``unit`` with its output rows in the order ``perm`` (codes, scales, global scales and bias alike)."""
+    if isinstance(unit, Passthrough):
+        return Passthrough(unit.name, unit.tensor.index_select(0, perm))
+    assert isinstance(unit, DenseFP4)
+    w = unit.weight
+    g = None if w.global_rows is None else w.global_rows.index_select(-1, perm)
+    weight = FP4Weight(w.quant, w.packed.index_select(0, perm), w.scales.index_select(0, perm), g, w.global_is_divisor)
+    return DenseFP4(unit.module, weight, None if unit.bias is None else unit.bias.index_select(0, perm))
+
+
 def _no_nan_scale(*scales: torch.Tensor, what: str) -> None:
     """An E8M0 byte 0xFF is NaN in MXFP4 but 2^127 in ggml: carried as it is, it would become a finite weight."""
     if any(bool((s == 0xFF).any()) for s in scales):
@@ -203,7 +233,7 @@ class GgufTarget(Target):
         if self._dropped(u, ctx):
             return None
         if u.kind == "moe":
-            if expert_prefix(u.key) is None:
+            if expert_prefix(u.key, arch) is None:
                 return f"{u.key}: routed experts where llama.cpp's {arch.name} has none"
             if u.extra.get("fused") and ctx.facts.model_type != "gpt_oss":
                 return f"{u.key}: fused experts of {ctx.facts.model_type!r} are not converted to GGUF"
@@ -250,7 +280,8 @@ class GgufTarget(Target):
         return "F32" if _widened(dtype, shape, self.passthrough_name(spec.key, ctx)) else dtype
 
     def direct_sources(self, spec: UnitSpec, ctx: WriterContext) -> list[str] | None:
-        if spec.kind != "passthrough" or self._dropped(spec, ctx) or self._mla(spec, ctx):
+        if spec.kind != "passthrough" or self._dropped(spec, ctx) or self._mla(spec, ctx) or (
+                _qk_rows(spec, ctx) is not None):
             return None
         if self._out_dtype(spec, ctx) == ctx.passthrough_dtypes[spec.key][0]:
             return [spec.key]  # GGML's dims are the torch shape reversed: the same bytes
@@ -264,7 +295,7 @@ class GgufTarget(Target):
         dtype, row_bytes = ("I8", nvfp4_row_bytes) if keep else ("U8", mxfp4_row_bytes)
         if spec.kind == "moe":
             e, h, i = spec.dims
-            blk = expert_prefix(spec.key)
+            blk = expert_prefix(spec.key, arch)
             out = [OutTensor(f"{blk}.{p}.weight", dtype, (e, n, row_bytes(k)))
                    for p, n, k in zip(_PROJ, (i, i, h), (h, h, i), strict=True)]
             if keep:
@@ -294,6 +325,8 @@ class GgufTarget(Target):
 
         if self._dropped(spec, ctx):
             return []
+        if (perm := _qk_rows(spec, ctx)) is not None:
+            unit = _rows(unit, perm)
         if isinstance(unit, MoELayer):
             i = unit.w13.packed.shape[1] // 2
             parts = ((unit.w13, slice(0, i)), (unit.w13, slice(i, 2 * i)), (unit.w2, slice(None)))
@@ -320,6 +353,11 @@ class GgufTarget(Target):
         return [unit.tensor.float() if self._out_dtype(spec, ctx) == "F32" else unit.tensor]
 
     def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
+        got = self._decode(spec, ctx, get)
+        perm = _qk_rows(spec, ctx)
+        return got if perm is None else _rows(got, perm.argsort())
+
+    def _decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
         import torch
 
         outs = self.out_specs(spec, ctx)
@@ -350,7 +388,12 @@ class GgufTarget(Target):
         if self._dropped(spec, ctx):
             return []  # nothing written, nothing to compare
         if isinstance(want, MoELayer | DenseFP4) and not ctx.target_options.keep_nvfp4:
+            if (perm := _qk_rows(spec, ctx)) is not None:
+                want = _rows(want, perm)
+                assert isinstance(want, DenseFP4)
             return self._verify_mxfp4(want, spec, ctx, get)
+        if _qk_rows(spec, ctx) is not None:
+            return None  # decoded (rows put back) and compared
         if not isinstance(want, Passthrough) or self._mla(spec, ctx) or (
                 self._out_dtype(spec, ctx) == ctx.passthrough_dtypes[spec.key][0]):
             return None

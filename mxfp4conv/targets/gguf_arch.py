@@ -25,6 +25,9 @@ class Arch:
     mla: bool = False  # kv_b_proj written as llama.cpp's MLA pair attn_k_b / attn_v_b
     mtp: bool = False  # layers past num_hidden_layers are an MTP block llama.cpp's converter drops
     nvfp4_scales: bool = False  # its graph multiplies NVFP4 weights by their per-tensor <name>.scale
+    experts: str = "mlp.experts"  # the routed experts' container after "model.layers.L."
+    # rotary pairs interleaved (llama.cpp's NORM rope): Q and K rows permuted from the HF rotate-half order
+    qk_permute: bool = False
 
 
 def _u32(k: str, v: Any) -> KV:
@@ -144,8 +147,6 @@ _MLA = {"self_attn.q_a_proj.weight": "attn_q_a.weight", "self_attn.q_a_layernorm
         "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
         "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight", "self_attn.o_proj.weight": "attn_output.weight",
         "self_attn.kv_b_proj.weight": "attn_k_b.weight"}  # and attn_v_b.weight (``_mla_split``)
-_EXPERTS = "mlp.experts"
-
 ARCHS: dict[str, Arch] = {
     "qwen3_moe": Arch("qwen3moe", {**_NORMS, **_QKVO, "self_attn.q_norm.weight": "attn_q_norm.weight",
                                    "self_attn.k_norm.weight": "attn_k_norm.weight",
@@ -180,6 +181,21 @@ def gguf_name(name: str, arch: Arch) -> str | None:
     return f"blk.{m[1]}.{arch.layer_names[m[2]]}"
 
 
-def expert_prefix(key: str) -> str | None:
+def expert_prefix(key: str, arch: Arch) -> str | None:
     m = LAYER.match(key)
-    return f"blk.{m[1]}" if m is not None and m[2] == _EXPERTS else None
+    return f"blk.{m[1]}" if m is not None and m[2] == arch.experts else None
+
+
+def _granitemoe(cfg: Mapping[str, Any]) -> list[KV]:
+    # llama.cpp's llama-family keys plus Granite's four multipliers; experts use feed_forward_length
+    return [*_common(cfg), _u32("feed_forward_length", cfg["intermediate_size"]),
+            _u32("vocab_size", cfg["vocab_size"]),
+            _u32("rope.dimension_count", cfg["hidden_size"] // cfg["num_attention_heads"]),
+            _f32("attention.scale", cfg.get("attention_multiplier", 1.0)),
+            _f32("embedding_scale", cfg.get("embedding_multiplier", 1.0)),
+            _f32("residual_scale", cfg.get("residual_multiplier", 1.0)),
+            _f32("logit_scale", cfg.get("logits_scaling", 1.0))]
+
+
+ARCHS["granitemoe"] = Arch("granitemoe", {**_NORMS, **_QKVO, "block_sparse_moe.router.layer.weight": "ffn_gate_inp.weight"},
+                           _granitemoe, experts="block_sparse_moe.experts", qk_permute=True)

@@ -38,7 +38,7 @@ EXPECTED = {
     "modelopt-nvfp4-qwen3-moe": CONVERTS,
     "modelopt-nvfp4-minimax-m2": "not 'minimax_m2'",
     "modelopt-nvfp4-qwen35-moe": "not 'qwen3_5_moe'",
-    "llmcompressor-mxfp4-granitemoe": "not 'granitemoe'",
+    "llmcompressor-mxfp4-granitemoe": CONVERTS,
 }
 
 

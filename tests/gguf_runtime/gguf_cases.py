@@ -123,8 +123,9 @@ def sources(root: Path) -> list[Case]:
     """Every input layout on a tiny Qwen3-MoE, AutoRound's Qwen3-MoE with FP4 attention, GPT-OSS (native MXFP4,
     biases, sinks, sliding window, YaRN) and DeepSeek-R1's replicas (MLA, a dense FP4 MLP, shared experts, an
     MTP layer; NVIDIA's NVFP4 with an FP8 KV cache and AMD's Quark MXFP4), and GLM-4.5's llm-compressor NVFP4
-    replica (partial rotary, attention biases, sigmoid routing, a leading dense layer, a shared expert)."""
-    from tests.replicas import deepseek
+    replica (partial rotary, attention biases, sigmoid routing, a leading dense layer, a shared expert), and
+    GraniteMoE written by llm-compressor (MXFP4 attention, llama.cpp's interleaved rotary pairs, multipliers)."""
+    from tests.replicas import deepseek, granitemoe
     from tests.replicas.ct_families import autoround_mxfp4, glm45
     from tests.serving.serving_sources import build_moe
 
@@ -138,6 +139,7 @@ def sources(root: Path) -> list[Case]:
     out["deepseek_v3-modelopt-nvfp4-r1"] = (deepseek.modelopt_nvfp4_r1(root / "r1").path, "deepseek_v3")
     out["deepseek_v3-quark-mxfp4-r1"] = (deepseek.quark_mxfp4_r1(root / "r1-quark").path, "deepseek_v3")
     out["glm4_moe-ct-nvfp4"] = (glm45(root / "glm45").path, "glm4_moe")
+    out["granitemoe-ct-mxfp4"] = (granitemoe.llmcompressor_mxfp4(root / "granite").path, "granitemoe")
     out["qwen3_moe-modelopt-nvfp4-h128"] = (build_moe("qwen3_moe", root / "h128", seed=3).paths["modelopt-nvfp4"],
                                             "qwen3_moe")
     cases = []
@@ -213,7 +215,7 @@ def _state(case: Case, written: bool) -> dict[str, torch.Tensor]:
         if name.endswith((".k_scale", ".v_scale")):  # an FP8 KV cache's scales: the reference computes in float32
             continue
         if not name.startswith(owned) and t.dtype in (torch.bfloat16, torch.float16, torch.float32):
-            state[name] = t.float()
+            state[name.replace(".router.layer.", ".router.")] = t.float()  # GraniteMoE: llm-compressor's name on disk
     return state
 
 

@@ -36,7 +36,8 @@ TOL = 0.02
 CASES = ["qwen3_moe-ct-mxfp4", "qwen3_moe-modelopt-nvfp4", "qwen3_moe-ct-nvfp4", "qwen3_moe-quark-mxfp4",
          "qwen3_moe-quark-nvfp4",
          "qwen3_moe-autoround-mxfp4", "gpt_oss", "deepseek_v3-modelopt-nvfp4-r1", "deepseek_v3-quark-mxfp4-r1",
-         "qwen3_moe-modelopt-nvfp4-h128", "qwen3_moe-modelopt-nvfp4-h128--keep-nvfp4", "glm4_moe-ct-nvfp4", SHARDED]
+         "qwen3_moe-modelopt-nvfp4-h128", "qwen3_moe-modelopt-nvfp4-h128--keep-nvfp4", "glm4_moe-ct-nvfp4",
+         "granitemoe-ct-mxfp4", SHARDED]
 
 
 def _result(ran: Ran, name: str) -> dict[str, Any]:
@@ -96,9 +97,21 @@ _DENSE = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": 
           **{f"ffn_{p}_shexp": f"mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")}}
 
 
-def gguf_fp4(folder: Path) -> dict[str, np.ndarray]:
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter interleaves each head's two rotary halves for its NORM rope (row j of the first
+    half, then row j of the second): put the rows back in the checkpoint's order."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_fp4(folder: Path, case: C.Case) -> dict[str, np.ndarray]:
     """Every FP4 matrix of a GGUF output, dequantized by the ``gguf`` package, by source module name; an NVFP4
-    matrix times its ``<name>.scale`` (one per matrix: one per expert of a stack), as llama.cpp multiplies it."""
+    matrix times its ``<name>.scale`` (one per matrix: one per expert of a stack), as llama.cpp multiplies it;
+    a permuted Q / K projection (GraniteMoE) with its rows put back."""
+    import json
+
+    cfg = json.loads((case.src / "config.json").read_text())
+    experts = "block_sparse_moe.experts" if case.model_type == "granitemoe" else "mlp.experts"
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
@@ -113,9 +126,11 @@ def gguf_fp4(folder: Path) -> dict[str, np.ndarray]:
             values = values * (scale[:, None, None] if values.ndim == 3 else scale[0])
         if (m := _EXPS.match(t.name)) is not None:
             for e in range(values.shape[0]):
-                out[f"model.layers.{m[1]}.mlp.experts.{e}.{m[2]}_proj"] = values[e]
+                out[f"model.layers.{m[1]}.{experts}.{e}.{m[2]}_proj"] = values[e]
             continue
         _blk, layer, kind, _ = t.name.split(".")
+        if case.model_type == "granitemoe" and kind in ("attn_q", "attn_k"):
+            values = _unpermute(values, int(cfg["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]))
         out[f"model.layers.{layer}.{_DENSE[kind]}"] = values
     return out
 
@@ -123,7 +138,7 @@ def gguf_fp4(folder: Path) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("name", CASES)
 def test_gguf_reads_every_fp4_weight_as_the_source_s(llama_ran: Ran, name: str) -> None:
     case = llama_ran.cases[name]
-    got, want = gguf_fp4(case.dst), C.fp4_values(case, written=True)
+    got, want = gguf_fp4(case.dst, case), C.fp4_values(case, written=True)
     assert sorted(got) == sorted(want)
     bad = [m for m in want if not np.array_equal(got[m].astype(np.float32), want[m])]
     assert bad == [], f"{len(bad)} of {len(want)} FP4 Linears differ, first {bad[:3]}"
