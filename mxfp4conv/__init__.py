@@ -2,11 +2,14 @@
 
 Public API::
 
-    from mxfp4conv import ConvertOptions, convert, inspect_checkpoint, verify_output
+    from mxfp4conv import ConvertOptions, PushOptions, convert, inspect_checkpoint, verify_output
 
     report = inspect_checkpoint("./ckpt")                        # InspectReport (header-only)
     result = convert("./ckpt", "./out", ConvertOptions(target="ct"))  # ConvertReport
     check = verify_output("./ckpt", "./out")                     # VerifyReport
+    # what `mxfp4conv convert ... --ray HOST:PORT --push-to-hub ORG/NAME` does: on Ray, then pushed
+    result = convert("./ckpt", "./out", ConvertOptions(target="ct"), ray="10.0.0.1:6379",
+                     push=PushOptions("my-org/out", private=True))  # result.push: the commit
 
 and the ``ConvertError`` family (``InputError``, ``UsageError``, ``OutputError``, ``StagingError``,
 ``EnvironmentProblem``, ``VerificationFailed``), each carrying the process exit code the CLI uses (``exit_code``).
@@ -39,6 +42,7 @@ __all__ = [
     "InputError",
     "InspectReport",
     "OutputError",
+    "PushOptions",
     "StagingError",
     "UsageError",
     "VerificationFailed",
@@ -53,7 +57,8 @@ __all__ = [
 _LAZY = {
     "ConvertOptions": "mxfp4conv.run.pipeline",
     "ConvertReport": "mxfp4conv.run.pipeline",
-    "convert": "mxfp4conv.run.pipeline",
+    "convert": "mxfp4conv.publish.release",
+    "PushOptions": "mxfp4conv.publish.push",
     "InspectReport": "mxfp4conv.plan.inspect",
     "inspect_checkpoint": "mxfp4conv.plan.inspect",
     "VerifyReport": "mxfp4conv.proof.verify",
@@ -63,7 +68,9 @@ _LAZY = {
 if TYPE_CHECKING:
     from mxfp4conv.plan.inspect import InspectReport, inspect_checkpoint
     from mxfp4conv.proof.verify import VerifyReport, verify_output
-    from mxfp4conv.run.pipeline import ConvertOptions, ConvertReport, convert
+    from mxfp4conv.publish.push import PushOptions
+    from mxfp4conv.publish.release import convert
+    from mxfp4conv.run.pipeline import ConvertOptions, ConvertReport
 
 
 def __getattr__(name: str) -> Any:

@@ -15,7 +15,8 @@ import re
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 from rich.console import Console
@@ -24,6 +25,11 @@ from rich.table import Table
 
 from mxfp4conv import __version__
 from mxfp4conv.errors import EXIT_INTERNAL, ConvertError
+
+if TYPE_CHECKING:
+    from mxfp4conv.run.pipeline import ConvertOptions
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes in all); (-1, -1) closes a bar
 
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
 _CTRL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -46,14 +52,21 @@ def _fail(exc: BaseException, debug: bool) -> NoReturn:
     sys.exit(EXIT_INTERNAL)
 
 
-def _run(debug: bool, fn: Callable[[], int]) -> NoReturn:
+@contextlib.contextmanager
+def _handled(debug: bool) -> Iterator[None]:
+    """Errors as one line and their exit code (``_fail``); click's own usage errors as click prints them."""
     debug = debug or os.environ.get("MXFP4CONV_DEBUG") == "1"
     try:
-        code = fn()
+        yield
     except click.ClickException:  # a bad option value found while running: click's usage error (exit 2)
         raise
     except (ConvertError, Exception) as exc:
         _fail(exc, debug)
+
+
+def _run(debug: bool, fn: Callable[[], int]) -> NoReturn:
+    with _handled(debug):
+        code = fn()
     sys.exit(code)
 
 
@@ -203,79 +216,73 @@ def convert_cmd(src: str, dst: str, target: str, scale_rule: str, device: str, d
       mxfp4conv convert ./src ./out --ray 10.0.0.1:6379   # on a Ray cluster sharing a filesystem
       mxfp4conv convert ./gpt-oss-20b ./out --to quark --push-to-hub my-org/gpt-oss-20b-quark --private
     """
-    from mxfp4conv.run.pipeline import ConvertOptions, ConvertReport, convert
+    from mxfp4conv.publish.push import PushOptions
+    from mxfp4conv.publish.release import convert
+
+    with _handled(debug):
+        if ray_address is not None:
+            _refuse_with_ray(partition=partition is not None, finish=finish, dry_run=dry_run,
+                             devices=devices is not None)
+        opts = _convert_options(target, scale_rule, device, devices, max_shard_size, tp_size, engine, marlin_act,
+                                keep_nvfp4, revision, stream, overwrite, dry_run, no_verify, resume, partition,
+                                finish, skip_if_current, base_model)
+        push = PushOptions.from_cli(push_to_hub, private, push_revision, commit_message, opts)
+        bars = _ConvertBars.on_terminal(not as_json and sys.stderr.isatty(), stream=stream, push=push is not None)
+        # the units of a run on Ray are converted by its workers, not in this process
+        collector: contextlib.AbstractContextManager[Progress | None] = (
+            _collector_settled_at_first_unit(bars.converting) if ray_address is None
+            else contextlib.nullcontext(bars.converting))
+        with collector as progress:
+            report = convert(src, dst, opts, on_progress=progress, on_fetch=bars.streaming, push=push,
+                             ray=ray_address, on_push=bars.uploading)
+        if as_json:
+            _emit_json(report.to_dict())
+        else:
+            _render_convert(report.to_dict())
+    sys.exit(0)
+
+
+def _refuse_with_ray(**given: bool) -> None:
+    """``--ray`` with the options it plans itself: click's usage error (exit 2)."""
+    clash = [f"--{name.replace('_', '-')}" for name, on in given.items() if on]
+    if clash:
+        raise click.UsageError(f"--ray cannot be combined with {', '.join(clash)} "
+                               "(--ray plans the partitions and devices itself)")
+
+
+def _convert_options(target: str, scale_rule: str, device: str, devices: str | None, max_shard_size: str,
+                     tp_size: int, engine: str, marlin_act: str, keep_nvfp4: bool, revision: str | None,
+                     stream: bool, overwrite: bool, dry_run: bool, no_verify: bool, resume: bool,
+                     partition: str | None, finish: bool, skip_if_current: bool,
+                     base_model: str | None) -> ConvertOptions:
+    """``convert``'s options, parsed (a bad value is click's usage error, exit 2)."""
+    from mxfp4conv.run.pipeline import ConvertOptions
     from mxfp4conv.targets.base import TargetOptions
 
-    def run() -> int:
-        if ray_address is not None:
-            clash = [f for f, on in (("--partition", partition is not None), ("--finish", finish),
-                                     ("--dry-run", dry_run), ("--devices", devices is not None)) if on]
-            if clash:
-                raise click.UsageError(f"--ray cannot be combined with {', '.join(clash)} "
-                                       "(--ray plans the partitions and devices itself)")
-        topts = TargetOptions(tp_size=tp_size, engine=engine, marlin_act=marlin_act, keep_nvfp4=keep_nvfp4)
-        opts = ConvertOptions(target=target, scale_rule=scale_rule, device=_device(device),
-                              max_shard_size=parse_size(max_shard_size), overwrite=overwrite, dry_run=dry_run,
-                              verify=not no_verify, skip_if_current=skip_if_current, revision=revision, stream=stream, target_options=topts,
-                              resume=resume, partition=_partition(partition), finish=finish,
-                              devices=_device_list(devices), base_model=base_model)
-        from mxfp4conv.publish.push import (
-            PushOptions,
-            ShardUploader,
-            current_output,
-            partition_push,
-            push_output,
-        )
+    topts = TargetOptions(tp_size=tp_size, engine=engine, marlin_act=marlin_act, keep_nvfp4=keep_nvfp4)
+    return ConvertOptions(target=target, scale_rule=scale_rule, device=_device(device),
+                          max_shard_size=parse_size(max_shard_size), overwrite=overwrite, dry_run=dry_run,
+                          verify=not no_verify, skip_if_current=skip_if_current, revision=revision, stream=stream,
+                          target_options=topts, resume=resume, partition=_partition(partition), finish=finish,
+                          devices=_device_list(devices), base_model=base_model)
 
-        push = PushOptions.from_cli(push_to_hub, private, push_revision, commit_message, opts)
-        shown = not as_json and sys.stderr.isatty()
-        # a Hub repo read by range: its bytes, their rate and the time left, above the output's bar; the
-        # shards' uploads below it
-        bar = _progress_bar("converting", position=1 if stream else 0 if push is not None else None) if shown else None
-        fetch_bar = _progress_bar("streaming", position=0) if shown and stream else None
-        upload_bar = _progress_bar("uploading", position=2 if stream else 1) if shown and push is not None else None
-        # with --push-to-hub, a DST that already holds this conversion is pushed as it is (a push run again)
-        report: ConvertReport | None = current_output(src, dst, opts) if push is not None else None
-        if report is None and ray_address is not None:  # the units run on Ray's workers: this process only drives them
-            from mxfp4conv.publish.ray_runner import convert_on_ray
 
-            try:
-                report = convert_on_ray(src, dst, opts, ray_address, on_progress=bar)
-            finally:
-                if bar:
-                    bar(-1, -1)
-        uploaded: ShardUploader | None = None
-        if report is None:
-            # shards go up to the Hub while the conversion runs, each once it is finished
-            uploader = ShardUploader(push, upload_bar).start() if push is not None and not dry_run else None
-            with _collector_settled_at_first_unit(bar) as progress:
-                try:
-                    report = convert(src, dst, opts, on_progress=progress, on_fetch=fetch_bar,
-                                     on_shard=uploader.add if uploader is not None else None)
-                except BaseException:
-                    if uploader is not None:
-                        uploader.close()
-                    raise
-                finally:
-                    progress(-1, -1)
-                    if fetch_bar is not None:
-                        fetch_bar(-1, -1)
-            uploaded = uploader.finish() if uploader is not None else None
-        doc = report.to_dict()
-        if push is not None and uploaded is not None and opts.partition is not None:
-            doc["push"] = partition_push(push, uploaded)  # committed by the --finish run
-        elif push is not None:
-            doc["push"] = push_output(dst, push, written_now=report.status == "converted", uploader=uploaded,
-                                      progress=upload_bar).to_dict()
-        if upload_bar is not None:
-            upload_bar(-1, -1)
-        if as_json:
-            _emit_json(doc)
-        else:
-            _render_convert(doc)
-        return 0
+@dataclass(frozen=True)
+class _ConvertBars:
+    """``convert``'s progress bars on a terminal (None each where it is not shown): a Hub repo read by
+    range (its bytes, their rate and the time left) above the output's bar; the shards' uploads below it."""
 
-    _run(debug, run)
+    converting: Progress | None = None
+    streaming: Progress | None = None
+    uploading: Progress | None = None
+
+    @classmethod
+    def on_terminal(cls, shown: bool, *, stream: bool, push: bool) -> _ConvertBars:
+        if not shown:
+            return cls()
+        return cls(converting=_progress_bar("converting", position=1 if stream else 0 if push else None),
+                   streaming=_progress_bar("streaming", position=0) if stream else None,
+                   uploading=_progress_bar("uploading", position=2 if stream else 1) if push else None)
 
 
 def _torch_pending() -> bool:

@@ -36,7 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "proof": {"errors", "device", "files", "sources", "model", "targets", "plan", "numerics"},
     "run": {VERSION, "errors", "device", "files", "sources", "kernels", "targets", "plan", "numerics", "proof"},
     "publish": {VERSION, "errors", "proof", "run"},
-    "__init__": {"errors", "plan", "proof", "run"},
+    "__init__": {"errors", "plan", "proof", "run", "publish"},
     "cli": {VERSION, "errors", "targets", "plan", "proof", "run", "publish"},
     "__main__": {"cli"},
 }

@@ -19,8 +19,8 @@ shards the Hub lacks (those a partition could not upload).
 Re-running the same command resumes: a DST that already holds this conversion (its manifest matches
 this input and these options, as ``--skip-if-current`` checks) is not converted again; its files are
 hashed again and compared with the manifest before anything is sent. Tokens come from
-huggingface_hub's usual places (``HF_TOKEN``, ``hf auth login``'s token file) and never appear in a
-message. Failures are ``OutputError`` (exit 1), one line; bad options ``UsageError`` (exit 2).
+``PushOptions.token`` (the Python API), else huggingface_hub's usual places (``HF_TOKEN``, ``hf auth
+login``'s token file), and never appear in a message. Failures are ``OutputError`` (exit 1), one line; bad options ``UsageError`` (exit 2).
 """
 
 from __future__ import annotations
@@ -52,10 +52,13 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class PushOptions:
+    """Where ``convert`` pushes the published DST (``--push-to-hub`` and the options beside it)."""
+
     repo_id: str  # ORG/NAME
     private: bool = False  # for a repo made by this push; an existing public repo is refused
     revision: str | None = None  # the branch to commit to (None: the default branch)
     commit_message: str | None = None
+    token: str | None = dataclasses.field(default=None, repr=False)  # None: huggingface_hub's own (HF_TOKEN, ...)
 
     @classmethod
     def from_cli(cls, repo_id: str | None, private: bool, revision: str | None, commit_message: str | None,
@@ -67,6 +70,11 @@ class PushOptions:
             if given:
                 raise UsageError(f"{', '.join(given)} only apply with --push-to-hub", hint="add --push-to-hub ORG/NAME")
             return None
+        return cls(repo_id, private, revision, commit_message).check(opts)
+
+    def check(self, opts: ConvertOptions) -> PushOptions:
+        """These options, refused (``UsageError``) where they are malformed or clash with the conversion's."""
+        repo_id, revision, commit_message = self.repo_id, self.revision, self.commit_message
         if not _REPO_ID.match(repo_id) or ".." in repo_id or repo_id.endswith((".git", ".")):
             raise UsageError(f"--push-to-hub {repo_id!r} is not a repo id", hint="use ORG/NAME, e.g. my-org/gpt-oss-20b-quark")
         if opts.dry_run:
@@ -76,7 +84,7 @@ class PushOptions:
             raise UsageError(f"--push-revision {revision!r} is not a branch name", hint="name a branch, e.g. mxfp4")
         if commit_message is not None and not commit_message.strip():
             raise UsageError("--commit-message is empty", hint="leave it out for the default message")
-        return cls(repo_id, private, revision, commit_message)
+        return self
 
 
 @dataclass
@@ -96,7 +104,7 @@ class PushReport:
         return dataclasses.asdict(self)
 
 
-def current_output(src: str, dst: str | Path, opts: ConvertOptions) -> ConvertReport | None:
+def current_output(src: str | Path, dst: str | Path, opts: ConvertOptions) -> ConvertReport | None:
     """With ``--push-to-hub``: the report of a conversion that is already in DST (a push that failed
     after DST was published, run again), or None when ``convert`` must run. Found as
     ``--skip-if-current`` finds it, in a dry run, so a DST of another input or options is never
@@ -130,7 +138,7 @@ class ShardUploader:
     def start(self) -> ShardUploader:
         from huggingface_hub import HfApi
 
-        api = HfApi()
+        api = HfApi(token=self.opts.token)
         self._threads = [threading.Thread(target=self._run, args=(api,), name=f"mxfp4conv-upload-{i}", daemon=True)
                          for i in range(UPLOADS)]
         for t in self._threads:
@@ -240,7 +248,7 @@ def _guarded(opts: PushOptions, fn: Callable[[], T]) -> T:
     except Exception as exc:
         if not _is_hub_error(exc):
             raise
-        raise OutputError(f"cannot push to the Hub: {_why(exc)}", file=opts.repo_id, hint=_hint(exc)) from exc
+        raise OutputError(f"cannot push to the Hub: {_why(exc, opts.token)}", file=opts.repo_id, hint=_hint(exc)) from exc
 
 
 def _files(dst: Path, *, check: bool) -> dict[str, str | None]:
@@ -281,7 +289,7 @@ def _push(dst: Path, files: dict[str, str | None], opts: PushOptions, on_file: C
           t0: float, uploader: ShardUploader | None, progress: Callable[[int, int], None] | None) -> PushReport:
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    api = HfApi()
+    api = HfApi(token=opts.token)
     repo = opts.repo_id
     uploaded = uploader.uploaded if uploader is not None else {}
     info, branch = uploader.prepared if uploader is not None and uploader.prepared else _prepare_repo(api, opts)
@@ -309,7 +317,7 @@ def _push(dst: Path, files: dict[str, str | None], opts: PushOptions, on_file: C
         except Exception as exc:
             if not _is_hub_error(exc):
                 raise
-            raise OutputError(f"cannot upload {op.path_in_repo} ({i + 1} of {len(shards)} shards): {_why(exc)}",
+            raise OutputError(f"cannot upload {op.path_in_repo} ({i + 1} of {len(shards)} shards): {_why(exc, opts.token)}",
                               file=repo, hint="run the same command again: shards already on the Hub are not sent "
                                               "again") from exc
         done += op.upload_info.size
@@ -366,11 +374,12 @@ def _retrying(fn: Callable[[], T]) -> T:
     raise AssertionError("unreachable")
 
 
-def _why(exc: BaseException) -> str:
-    """The first line of the innermost huggingface_hub / httpx error, with any token masked."""
+def _why(exc: BaseException, token: str | None = None) -> str:
+    """The first line of the innermost huggingface_hub / httpx error, with any token (``token``, and
+    huggingface_hub's own) masked."""
     inner = _unwrap(exc)
     text = " ".join(str(inner).split("\n\n")[0].split()) or type(inner).__name__
-    for secret in _tokens():
+    for secret in ([token] if token else []) + _tokens():
         text = text.replace(secret, "***")
     return text[:300]
 

@@ -64,11 +64,15 @@ class ConvertReport:
     requantized_on: dict[str, int] = field(default_factory=dict)
     # a Hub repo read by range (--stream): repo id, revision, commit, bytes fetched, each shard's sha256
     hub: dict[str, Any] | None = None
+    # what a push after the conversion did (``publish.release.convert`` with a push); no --json key without one
+    push: dict[str, Any] | None = None
     # not a field (no --json key): what a Ray task of the conversion reads (``Source.task_source``)
     task_source = ""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        if d["push"] is None:
+            del d["push"]
         d["schema_version"] = SCHEMA_VERSION
         return d
 
