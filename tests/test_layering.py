@@ -35,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "numerics": {"errors", "formats", "device", "sources", "model", "kernels", "targets", "plan"},
     "proof": {"errors", "device", "files", "sources", "model", "targets", "plan", "numerics"},
     "run": {VERSION, "errors", "device", "files", "sources", "kernels", "targets", "plan", "numerics", "proof"},
-    "publish": {VERSION, "errors", "proof", "run"},
+    "publish": {VERSION, "errors", "sources", "proof", "run"},
     "__init__": {"errors", "plan", "proof", "run", "publish"},
     "cli": {VERSION, "errors", "targets", "plan", "proof", "run", "publish"},
     "__main__": {"cli"},

@@ -41,11 +41,11 @@ from mxfp4conv.errors import OutputError, UsageError
 from mxfp4conv.proof.manifest import MANIFEST
 from mxfp4conv.run.pipeline import ConvertOptions, ConvertReport, convert
 from mxfp4conv.run.staging import sha256_file
+from mxfp4conv.sources.hub_client import inner, retried, status_of, why
 
 __all__ = ["PushOptions", "PushReport", "ShardUploader", "current_output", "partition_push", "push_output"]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
-RETRIES = 4  # create_repo / create_branch / repo_info on 429, 5xx and dropped connections
 UPLOADS = 4  # shards going up at once while the conversion runs: one connection rarely fills a link
 T = TypeVar("T")
 
@@ -248,7 +248,7 @@ def _guarded(opts: PushOptions, fn: Callable[[], T]) -> T:
     except Exception as exc:
         if not _is_hub_error(exc):
             raise
-        raise OutputError(f"cannot push to the Hub: {_why(exc, opts.token)}", file=opts.repo_id, hint=_hint(exc)) from exc
+        raise OutputError(f"cannot push to the Hub: {why(exc, opts.token)}", file=opts.repo_id, hint=_hint(exc)) from exc
 
 
 def _files(dst: Path, *, check: bool) -> dict[str, str | None]:
@@ -274,14 +274,14 @@ def _files(dst: Path, *, check: bool) -> dict[str, str | None]:
 def _prepare_repo(api: Any, opts: PushOptions) -> tuple[Any, str]:
     """The repo made if missing (private with --private), the branch made if named: (repo info, branch)."""
     repo = opts.repo_id
-    _retrying(lambda: api.create_repo(repo, repo_type="model", private=True if opts.private else None, exist_ok=True))
-    info = _retrying(lambda: api.repo_info(repo, repo_type="model"))
+    retried(lambda: api.create_repo(repo, repo_type="model", private=True if opts.private else None, exist_ok=True))
+    info = retried(lambda: api.repo_info(repo, repo_type="model"))
     if opts.private and not info.private:
         raise OutputError("the repo exists and is public: --private applies to a repo this push creates", file=repo,
                           hint="make the repo private on the Hub first, or push to a new repo")
     branch = opts.revision or "main"
     if opts.revision is not None and opts.revision != "main":
-        _retrying(lambda: api.create_branch(repo, branch=branch, repo_type="model", exist_ok=True))
+        retried(lambda: api.create_branch(repo, branch=branch, repo_type="model", exist_ok=True))
     return info, branch
 
 
@@ -317,7 +317,7 @@ def _push(dst: Path, files: dict[str, str | None], opts: PushOptions, on_file: C
         except Exception as exc:
             if not _is_hub_error(exc):
                 raise
-            raise OutputError(f"cannot upload {op.path_in_repo} ({i + 1} of {len(shards)} shards): {_why(exc, opts.token)}",
+            raise OutputError(f"cannot upload {op.path_in_repo} ({i + 1} of {len(shards)} shards): {why(exc, opts.token)}",
                               file=repo, hint="run the same command again: shards already on the Hub are not sent "
                                               "again") from exc
         done += op.upload_info.size
@@ -357,54 +357,7 @@ def _is_hub_error(exc: BaseException) -> bool:
     return False
 
 
-def _retrying(fn: Callable[[], T]) -> T:
-    """A huggingface_hub call that does not retry by itself, retried on 429 / 5xx / network errors."""
-    import httpx
-    from huggingface_hub.errors import HfHubHTTPError
-
-    for attempt in range(RETRIES + 1):
-        try:
-            return fn()
-        except (HfHubHTTPError, httpx.TransportError) as exc:
-            resp = getattr(exc, "response", None)
-            status = resp.status_code if resp is not None else None
-            if attempt == RETRIES or (status is not None and status != 429 and status < 500):
-                raise
-            time.sleep(min(8.0, 0.5 * 2 ** attempt))
-    raise AssertionError("unreachable")
-
-
-def _why(exc: BaseException, token: str | None = None) -> str:
-    """The first line of the innermost huggingface_hub / httpx error, with any token (``token``, and
-    huggingface_hub's own) masked."""
-    inner = _unwrap(exc)
-    text = " ".join(str(inner).split("\n\n")[0].split()) or type(inner).__name__
-    for secret in ([token] if token else []) + _tokens():
-        text = text.replace(secret, "***")
-    return text[:300]
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    """huggingface_hub's upload failures are RuntimeError("Error while uploading ...") from the cause."""
-    while isinstance(exc, RuntimeError) and exc.__cause__ is not None:
-        exc = exc.__cause__
-    return exc
-
-
 def _hint(exc: BaseException) -> str:
-    exc = _unwrap(exc)
-    resp = getattr(exc, "response", None)
-    status = resp.status_code if resp is not None else None
-    if status in (401, 403) or type(exc).__name__ == "RepositoryNotFoundError":
+    if status_of(exc) in (401, 403) or type(inner(exc)).__name__ == "RepositoryNotFoundError":
         return "log in with a token that can write to the repo's namespace (hf auth login or HF_TOKEN)"
     return "run the same command again: DST is kept and shards already on the Hub are not sent again"
-
-
-def _tokens() -> list[str]:
-    try:
-        from huggingface_hub import get_token
-
-        tok = get_token()
-    except Exception:  # masking must never fail the error path
-        return []
-    return [tok] if tok else []

@@ -41,11 +41,11 @@ from urllib.parse import urlsplit
 
 from mxfp4conv.errors import InputError, UsageError
 from mxfp4conv.sources.fetch import BUDGET, OrderedFetch
+from mxfp4conv.sources.hub_client import RETRIES, pause, retried, why
 
 __all__ = ["HEAD_PROBE", "HubFile", "HubPath", "RemoteRepo", "offline", "open_repo", "retrying", "split_revision"]
 
 HEAD_PROBE = 64 << 10  # the first range of each shard: its 8-byte length and (usually) the whole header
-RETRIES = 5  # per request, as huggingface_hub's http_backoff
 _REPO_REF = re.compile(r"^([A-Za-z0-9][\w.-]*/[\w.-]+)@([^\s@]+)$")
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 T = TypeVar("T")
@@ -124,7 +124,7 @@ class RemoteRepo:
         from huggingface_hub import hf_hub_download
 
         local = retrying(lambda: hf_hub_download(self.repo_id, name, revision=self.commit, token=self.token),
-                          str(self.path(name)))
+                          str(self.path(name)), self.token)
         got = Path(local)
         if name in self.files and got.stat().st_size != self.files[name].size:
             raise InputError(f"downloaded {got.stat().st_size} bytes, the Hub lists {self.files[name].size}",
@@ -271,7 +271,7 @@ class RemoteRepo:
         last = ""
         for attempt in range(RETRIES + 1):
             if attempt:
-                time.sleep(min(8.0, 0.5 * 2 ** (attempt - 1)))
+                time.sleep(pause(attempt))
             location, same_host = self._location(name, refresh=attempt > 0 and last == "403")
             headers = build_hf_headers(token=self.token if same_host else False)
             if not same_host:
@@ -283,7 +283,7 @@ class RemoteRepo:
                 last = str(exc)
                 continue
             except (httpx.HTTPError, HfHubHTTPError) as exc:  # retries spent on 5xx/429/network errors
-                raise InputError(f"cannot read bytes {begin}-{end - 1}: {_why(exc)}", file=where,
+                raise InputError(f"cannot read bytes {begin}-{end - 1}: {why(exc, self.token)}", file=where,
                                  hint="check the network and run the command again") from exc
             if status == 403 and not same_host:
                 last = "403"  # a presigned link past its expiry: resolve the file again
@@ -356,7 +356,7 @@ class RemoteRepo:
 
         url = hf_hub_url(self.repo_id, name, revision=self.commit)
         where = str(self.path(name))
-        meta = retrying(lambda: get_hf_file_metadata(url, token=self.token, retry_on_errors=True), where)
+        meta = retrying(lambda: get_hf_file_metadata(url, token=self.token, retry_on_errors=True), where, self.token)
         info = self.files[name]
         if meta.commit_hash is not None and meta.commit_hash != self.commit:
             raise InputError(f"the Hub answers for commit {meta.commit_hash}, not the pinned {self.commit}",
@@ -378,12 +378,13 @@ def open_repo(repo_id: str, revision: str | None = None, *, token: str | bool | 
     from huggingface_hub.hf_api import RepoFile
 
     api = HfApi(token=token)
-    info = retrying(lambda: api.repo_info(repo_id, revision=revision), repo_id + (f"@{revision}" if revision else ""))
+    info = retrying(lambda: api.repo_info(repo_id, revision=revision), repo_id + (f"@{revision}" if revision else ""),
+                    token)
     commit = info.sha
     if not commit:
         raise InputError("the Hub gave no commit sha for the repo", file=repo_id, hint="check HF_ENDPOINT")
     entries = retrying(lambda: list(api.list_repo_tree(repo_id, revision=commit, recursive=True)),
-                        f"{repo_id}@{commit}")
+                        f"{repo_id}@{commit}", token)
     files = {e.path: HubFile(e.path, int(e.size), e.blob_id, e.lfs.sha256 if e.lfs is not None else None)
              for e in entries if isinstance(e, RepoFile)}
     return RemoteRepo(repo_id, revision, commit, files, token)
@@ -393,10 +394,9 @@ class _Dropped(Exception):
     """A connection lost while a range's body was being read."""
 
 
-def retrying(fn: Callable[[], T], where: str) -> T:
-    """``fn`` (a huggingface_hub call) with retries on 429 (waiting as the RateLimit / Retry-After
-    headers say, as huggingface_hub's http_backoff does), 5xx and network errors; other failures
-    become one ``InputError`` line."""
+def retrying(fn: Callable[[], T], where: str, token: str | bool | None = None) -> T:
+    """``fn`` (a huggingface_hub call) under the Hub client's retry policy (``sources/hub_client.py``);
+    what still fails becomes one ``InputError`` line naming ``where``, ``token`` masked in it."""
     import httpx
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -406,56 +406,33 @@ def retrying(fn: Callable[[], T], where: str) -> T:
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
-    from huggingface_hub.utils import parse_ratelimit_headers
 
-    wait = 1.0
-    for attempt in range(RETRIES + 1):
-        try:
-            return fn()
-        except GatedRepoError as exc:
-            raise InputError("the repo is gated and this account has no access", file=where,
-                             hint="accept its terms on the Hub and log in (hf auth login or HF_TOKEN)") from exc
-        except RepositoryNotFoundError as exc:
-            raise InputError("no such repo on the Hub (or it is private)", file=where,
-                             hint="check the repo id; for a private repo log in (hf auth login or HF_TOKEN)") from exc
-        except RevisionNotFoundError as exc:
-            raise InputError("no such revision in the repo", file=where,
-                             hint="check the branch, tag or commit after @ / --revision") from exc
-        except RemoteEntryNotFoundError as exc:
-            raise InputError("no such file in the repo at this revision", file=where,
-                             hint="check the file list on the Hub") from exc
-        except (HfHubHTTPError, httpx.HTTPError, LocalEntryNotFoundError) as exc:
-            # LocalEntryNotFoundError: hf_hub_download's HEAD failed and the cache has no copy
-            cause = exc.__cause__ if isinstance(exc, LocalEntryNotFoundError) else exc
-            resp: httpx.Response | None = getattr(cause, "response", None)
-            status = resp.status_code if resp is not None else None
-            if (status is not None and status != 429 and status < 500) or attempt == RETRIES:
-                raise InputError(f"cannot read from the Hub: {_why(exc)}", file=where,
-                                 hint="check the repo id, the network and HF_ENDPOINT") from exc
-            sleep = wait
-            if resp is not None and status == 429:
-                rl = parse_ratelimit_headers(resp.headers)
-                if rl is not None and rl.remaining == 0:
-                    sleep = float(rl.reset_in_seconds) + 1
-                elif (ra := resp.headers.get("Retry-After", "").strip()).isdigit():
-                    sleep = float(ra)
-            time.sleep(sleep)
-            wait = min(8.0, wait * 2)
-        except OSError as exc:  # the local cache
-            raise InputError(f"cannot write huggingface_hub's cache: {exc}", file=where,
-                             hint="check HF_HUB_CACHE / HF_HOME and the free disk space") from exc
-    raise AssertionError("unreachable")
+    try:
+        return retried(fn)
+    except GatedRepoError as exc:
+        raise InputError("the repo is gated and this account has no access", file=where,
+                         hint="accept its terms on the Hub and log in (hf auth login or HF_TOKEN)") from exc
+    except RepositoryNotFoundError as exc:
+        raise InputError("no such repo on the Hub (or it is private)", file=where,
+                         hint="check the repo id; for a private repo log in (hf auth login or HF_TOKEN)") from exc
+    except RevisionNotFoundError as exc:
+        raise InputError("no such revision in the repo", file=where,
+                         hint="check the branch, tag or commit after @ / --revision") from exc
+    except RemoteEntryNotFoundError as exc:
+        raise InputError("no such file in the repo at this revision", file=where,
+                         hint="check the file list on the Hub") from exc
+    except (HfHubHTTPError, httpx.HTTPError, LocalEntryNotFoundError) as exc:
+        # LocalEntryNotFoundError: hf_hub_download's HEAD failed and the cache has no copy
+        raise InputError(f"cannot read from the Hub: {why(exc, token)}", file=where,
+                         hint="check the repo id, the network and HF_ENDPOINT") from exc
+    except OSError as exc:  # the local cache
+        raise InputError(f"cannot write huggingface_hub's cache: {exc}", file=where,
+                         hint="check HF_HUB_CACHE / HF_HOME and the free disk space") from exc
 
 
 def git_blob_id(data: bytes) -> str:
     """git's id of a file's bytes, as the Hub lists a file stored outside LFS."""
     return hashlib.sha1(b"blob %d\x00" % len(data) + data).hexdigest()
-
-
-def _why(exc: BaseException) -> str:
-    """A huggingface_hub error's first line (its messages run over several)."""
-    text = " ".join(str(exc).split("\n\n")[0].split()) or type(exc).__name__
-    return text[:300]
 
 
 def _timeout() -> float:
