@@ -159,7 +159,7 @@ def analyze(ckpt: Checkpoint) -> tuple[Layout, Plan, list[str]]:
 def inspect_checkpoint(src: str | Path, revision: str | None = None) -> InspectReport:
     """A folder, or a Hugging Face repo id (``org/model[@revision]``) read on the Hub: its headers by
     range and its small files, nothing downloaded that ``inspect`` does not read."""
-    ckpt = open_checkpoint(src, revision, remote=True)
+    ckpt = open_checkpoint(src, revision, stream=True)
     _, plan, evidence = analyze(ckpt)
     ctx = writer_context(plan, ckpt)
     return InspectReport(

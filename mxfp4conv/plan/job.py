@@ -78,7 +78,7 @@ class Job:
 def prepare(src: str | Path, opts: ConvertOptions) -> Job:
     """Open, detect, validate and plan SRC for ``opts.target``; ``InputError`` (the source, or a target it cannot
     be written to) / ``UsageError`` (an option) when it cannot be."""
-    ckpt = open_checkpoint(src, opts.revision, remote=opts.stream)
+    ckpt = open_checkpoint(src, opts.revision, stream=opts.stream)
     layout, plan, _ = analyze(ckpt)
     if plan.problems:
         p = plan.problems[0]

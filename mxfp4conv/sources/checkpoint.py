@@ -2,7 +2,7 @@
 
 A repo id (``org/model`` or ``org/model@revision``) is downloaded into huggingface_hub's cache and
 read there, each file checked against the Hub's sha256 as the conversion reads it
-(mxfp4conv/sources/hub_cache.py), or read remotely with ``open_checkpoint(..., remote=True)`` (``inspect``,
+(mxfp4conv/sources/hub_cache.py), or read remotely with ``open_checkpoint(..., stream=True)`` (``inspect``,
 ``--stream``): headers by range, small files only (mxfp4conv/sources/hub.py).
 """
 
@@ -174,15 +174,15 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def open_checkpoint(src: str | Path, revision: str | None = None, *, remote: bool = False) -> Checkpoint:
+def open_checkpoint(src: str | Path, revision: str | None = None, *, stream: bool = False) -> Checkpoint:
     """Enumerate a checkpoint from its headers, config.json and (if present) hf_quant_config.json.
 
-    ``remote``: a repo id is read on the Hub (headers by range, small files only) instead of being
+    ``stream``: a repo id is read on the Hub (headers by range, small files only) instead of being
     downloaded; its tensors' files are ``org/model@sha/<file>`` paths that hold no data. In
-    huggingface_hub's offline mode a repo id is read from its cache, as without ``remote``."""
+    huggingface_hub's offline mode a repo id is read from its cache, as without ``stream``."""
     if not Path(str(src)).exists():
         repo_id, rev = _repo_id(str(src), revision)
-        if remote and not hub.offline():
+        if stream and not hub.offline():
             return _open_repo(hub.open_repo(repo_id, rev))
         return _open_repo(hub_cache.cached_repo(repo_id, rev))
     root = Path(str(src))
