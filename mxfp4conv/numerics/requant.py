@@ -110,28 +110,43 @@ def requant_nvfp4_to_mxfp4(
     if chunk_rows < 1:
         raise ValueError("chunk_rows must be >= 1")
     rule = ScaleRule(rule)
-    lead, kh = tuple(w.packed.shape[:-1]), int(w.packed.shape[-1])
-    k = 2 * kh
+    k = 2 * int(w.packed.shape[-1])
     if k % MX_BLOCK:
         raise ValueError(f"K={k} is not a multiple of {MX_BLOCK}")
     if device.startswith("cuda"):
         if w.packed.numel() and fits_on_device(w.packed.numel() + w.scales.numel(), device):
             return _requant_resident(w, rule, device, keep_on_device, keep_rows)
-        from mxfp4conv.kernels.requant_triton import requant_nvfp4_gpu_chunks
+        return _requant_gpu_chunked(w, rule, device, chunk_rows, keep_rows)
+    return _requant_cpu(w, rule, chunk_rows, keep_rows)
 
-        # H2D, kernel and D2H of row chunks overlap on three streams; outputs land in pinned memory.
-        # The scales are validated after the run from the row maxima the device computed (the
-        # kernel is harmless on invalid input; nothing is returned before the check)
-        row_max = torch.empty(tuple(w.scales.shape[:-1]), dtype=torch.uint8)
-        p, sc, st = requant_nvfp4_gpu_chunks(w.packed.contiguous(), w.scales.contiguous(),
-                                             w.global_rows.float().contiguous(), w.global_is_divisor, rule,
-                                             device=device, chunk_rows=max(chunk_rows, GPU_MIN_CHUNK_ROWS),
-                                             scale_row_max=row_max)
-        problem = validate_nvfp4_scales(w.scales, w.global_rows, divisor=w.global_is_divisor, row_max=row_max)
-        if problem is not None:
-            raise ValueError(f"invalid NVFP4 input: {problem}")
-        stats = RequantStats.from_row_stats(st.reshape(-1, st.shape[-1]), k // MX_BLOCK, keep_rows)
-        return FP4Weight("mxfp4", p, sc), stats
+
+def _requant_gpu_chunked(w: FP4Weight, rule: ScaleRule, device: str, chunk_rows: int,
+                         keep_rows: bool) -> tuple[FP4Weight, RequantStats]:
+    """A weight too large for the device whole: row chunks streamed through it."""
+    from mxfp4conv.kernels.requant_triton import requant_nvfp4_gpu_chunks
+
+    assert w.global_rows is not None
+    k = 2 * int(w.packed.shape[-1])
+    # H2D, kernel and D2H of row chunks overlap on three streams; outputs land in pinned memory.
+    # The scales are validated after the run from the row maxima the device computed (the
+    # kernel is harmless on invalid input; nothing is returned before the check)
+    row_max = torch.empty(tuple(w.scales.shape[:-1]), dtype=torch.uint8)
+    p, sc, st = requant_nvfp4_gpu_chunks(w.packed.contiguous(), w.scales.contiguous(),
+                                         w.global_rows.float().contiguous(), w.global_is_divisor, rule,
+                                         device=device, chunk_rows=max(chunk_rows, GPU_MIN_CHUNK_ROWS),
+                                         scale_row_max=row_max)
+    problem = validate_nvfp4_scales(w.scales, w.global_rows, divisor=w.global_is_divisor, row_max=row_max)
+    if problem is not None:
+        raise ValueError(f"invalid NVFP4 input: {problem}")
+    stats = RequantStats.from_row_stats(st.reshape(-1, st.shape[-1]), k // MX_BLOCK, keep_rows)
+    return FP4Weight("mxfp4", p, sc), stats
+
+
+def _requant_cpu(w: FP4Weight, rule: ScaleRule, chunk_rows: int, keep_rows: bool) -> tuple[FP4Weight, RequantStats]:
+    """On the CPU: row chunks on one pool of workers, written straight into the weight's outputs."""
+    assert w.global_rows is not None
+    lead, kh = tuple(w.packed.shape[:-1]), int(w.packed.shape[-1])
+    k = 2 * kh
     problem = validate_nvfp4_scales(w.scales, w.global_rows, divisor=w.global_is_divisor)
     if problem is not None:
         raise ValueError(f"invalid NVFP4 input: {problem}")
@@ -143,7 +158,6 @@ def requant_nvfp4_to_mxfp4(
     out = torch.empty(r, kh, dtype=torch.uint8)
     scales_out = torch.empty(r, k // MX_BLOCK, dtype=torch.uint8)
     n_threads = int(os.environ.get("MXFP4CONV_CPU_THREADS", "0")) or torch.get_num_threads()
-    # chunks write straight into the weight's outputs, on one pool of workers for all of them
     with ThreadPoolExecutor(max(1, n_threads)) as pool:
         for r0 in range(0, r, chunk_rows):
             r1 = min(r, r0 + chunk_rows)

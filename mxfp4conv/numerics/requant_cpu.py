@@ -18,9 +18,10 @@ import functools
 import math
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -150,7 +151,7 @@ def _slab(
 ) -> None:
     """One work item: packed [r, K/2], decoded block scales s [r, K/16] f32, g [r] f32; writes the
     row slices ``out`` = (packed [r, K/2], scales [r, K/32], row stats [r, 5])."""
-    f32, f64, i32, u8 = torch.float32, torch.float64, torch.int32, torch.uint8
+    f32, i32, u8 = torch.float32, torch.int32, torch.uint8
     r, kh = packed.shape
     nb, nb16 = r * kh // 16, r * kh // 8
     xt = torch.mul(_POS8, s.abs()[..., None], out=ws("xt", (r, kh // 8, 8), f32))  # exact
@@ -161,7 +162,6 @@ def _slab(
     hi = torch.bitwise_right_shift(p16, 4, out=ws("hi", (nb16, 8), u8)).bitwise_and_(7)
     mm = torch.maximum(lo.amax(1), hi.amax(1))
     amax = at.view(nb16, 8).gather(1, mm.long()[:, None]).view(nb, 2).amax(1)
-    zero = amax == 0
     ebits = torch.bitwise_and(at.view(i32), 0x7F800000, out=ws("ebits", (nb, 16), i32))
     idx = ws("idx", (nb16, 8, 2), i32)  # flat table index of every element, in element order
     base = _base_index(nb16)
@@ -170,40 +170,59 @@ def _slab(
     flat = idx.view(-1)
     counts = torch.bincount(flat, minlength=nb * 16).view(nb, 16)  # elements per (block, group)
     cnt = ws("cnt", (nb, 16), f32).copy_(counts)
-    present = counts != 0
-    if rule is ScaleRule.MSE:
-        er = rceil_exponent(amax) + 127  # scale bytes of the two candidates, clamped; zero blocks 127
-        ea = torch.where(zero, 127, er.clamp(0, 254))
-        eb = torch.where(zero, 127, (er - 1).clamp_(0, 254))
-        qa, ra, da = _cand_tab(at, ebits, ea, ws, "a")
-        qb, rb, db = _cand_tab(at, ebits, eb, ws, "b")
-        pick = _mse_pick(qb, ra, rb, ws("cn64", (nb, 16), f64).copy_(cnt), ws) & (eb != ea)
-        e = torch.where(pick, eb, ea)
-        p2 = pick[:, None]
-        dtab = torch.where(p2, db, da)
-        qtab = torch.where(p2, qb, qa)
-        rtab = torch.where(p2, rb, ra, out=ws("rt", (nb, 16), f32))
-    else:
+    e, qtab, rtab, dtab = _choose(at, ebits, amax, cnt, rule, ws)
+    _write_codes(p16, lo, rtab, flat, s, g, ws, out[0].view(nb16, 8))
+    out[1].copy_(e.view(r, -1))
+    _write_stats(e, qtab, dtab, cnt, counts != 0, amax, r, ws, out[2])
+
+
+def _choose(at: torch.Tensor, ebits: torch.Tensor, amax: torch.Tensor, cnt: torch.Tensor, rule: ScaleRule,
+            ws: _Workspace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each block's scale byte and its candidate's tables (q, r, d), by ``rule``."""
+    if rule is not ScaleRule.MSE:
         e = scale_exponent(amax, rule) + 127
-        qtab, rtab, dtab = _cand_tab(at, ebits, e, ws, "a")
-    err = _fold32(dtab, cnt, ws, "e")  # the chosen candidate's only
-    sig = _fold32(qtab, cnt, ws, "s")
-    mx = _present_max(dtab.abs(), present)
-    s4 = _SQ64.index_select(0, e)
-    key = torch.bitwise_right_shift(rtab.view(i32), 22, out=ws("c", (nb, 16), i32))
+        return (e, *_cand_tab(at, ebits, e, ws, "a"))
+    nb = at.shape[0]
+    zero = amax == 0
+    er = rceil_exponent(amax) + 127  # scale bytes of the two candidates, clamped; zero blocks 127
+    ea = torch.where(zero, 127, er.clamp(0, 254))
+    eb = torch.where(zero, 127, (er - 1).clamp_(0, 254))
+    qa, ra, da = _cand_tab(at, ebits, ea, ws, "a")
+    qb, rb, db = _cand_tab(at, ebits, eb, ws, "b")
+    pick = _mse_pick(qb, ra, rb, ws("cn64", (nb, 16), torch.float64).copy_(cnt), ws) & (eb != ea)
+    p2 = pick[:, None]
+    return (torch.where(pick, eb, ea), torch.where(p2, qb, qa), torch.where(p2, rb, ra, out=ws("rt", (nb, 16), torch.float32)),
+            torch.where(p2, db, da))
+
+
+def _write_codes(p16: torch.Tensor, lo: torch.Tensor, rtab: torch.Tensor, flat: torch.Tensor, s: torch.Tensor,
+                 g: torch.Tensor, ws: _Workspace, o: torch.Tensor) -> None:
+    """The packed codes into ``o`` [nb16, 8]: each element's magnitude from its group's rounded value,
+    its sign from the source (flipped by negative block / global scales)."""
+    u8 = torch.uint8
+    nb, nb16 = rtab.shape[0], p16.shape[0]
+    key = torch.bitwise_right_shift(rtab.view(torch.int32), 22, out=ws("c", (nb, 16), torch.int32))
     ctab = torch.index_select(_CODE_LUT, 0, key.view(-1), out=ws("ct", (nb * 16,), u8))
     codes = torch.index_select(ctab, 0, flat, out=ws("co", (nb * 32,), u8)).view(nb16, 8, 2)
-    o = out[0].view(nb16, 8)
     torch.bitwise_left_shift(codes[..., 1], 4, out=o)
     o |= codes[..., 0]
     o |= lo.copy_(p16).bitwise_and_(0x88)  # the sign bits
     neg = torch.signbit(s) ^ torch.signbit(g)[:, None]
-    if bool(neg.any()):  # negative block / global scales flip the sign bits
+    if bool(neg.any()):
         o ^= neg.view(nb16, 1).to(u8) * 0x88
-    out[1].copy_(e.view(r, -1))
+
+
+def _write_stats(e: torch.Tensor, qtab: torch.Tensor, dtab: torch.Tensor, cnt: torch.Tensor, present: torch.Tensor,
+                 amax: torch.Tensor, r: int, ws: _Workspace, out: torch.Tensor) -> None:
+    """The rows' statistics (the chosen candidate's error and signal, max error, clipped and exact
+    blocks) into ``out`` [r, 5]."""
+    err = _fold32(dtab, cnt, ws, "e")
+    sig = _fold32(qtab, cnt, ws, "s")
+    mx = _present_max(dtab.abs(), present)
+    s4 = _SQ64.index_select(0, e)
     clipped = amax > _SIX32.index_select(0, e)  # amax * 2^-e > 6, exactly
-    nbr = nb // r
-    out[2].copy_(
+    nbr = e.shape[0] // r
+    out.copy_(
         row_stats(
             err.double().mul_(s4).view(r, nbr),
             sig.double().mul_(s4).view(r, nbr),
@@ -257,47 +276,19 @@ def requant_rows_cpu(
     rule = ScaleRule(rule)
     k = check_rows(packed, scales_e4m3, global_rows)
     r = packed.shape[0]
-    if into is not None:
-        out, scales_out, row_stats = into
-        if (tuple(out.shape), tuple(scales_out.shape), tuple(row_stats.shape)) != ((r, k // 2), (r, k // MX_BLOCK), (r, 5)) \
-                or not (out.is_contiguous() and scales_out.is_contiguous() and row_stats.is_contiguous()):
-            raise ValueError("into: tensors must be contiguous and of the result shapes")
-    else:
-        out = torch.empty(r, k // 2, dtype=torch.uint8)  # row-major, whatever the input's strides
-        scales_out = torch.empty(r, k // MX_BLOCK, dtype=torch.uint8)
-        row_stats = torch.zeros(r, 5, dtype=torch.float64)
+    out, scales_out, row_stats = results = _results(into, r, k)
     if r == 0 or k == 0:
         return out, scales_out, row_stats
     g = global_rows.float().contiguous()
     n_threads = threads or int(os.environ.get("MXFP4CONV_CPU_THREADS", "0")) or torch.get_num_threads()
-    step = max(1, _SLAB_WEIGHTS // k)
     kern = requant_native.load()
     if kern is not None:
         # large calls, yet at least eight per worker so that the workers finish together
         step = max(1, min(_NATIVE_SLAB_WEIGHTS // k, -(-r // (8 * max(1, n_threads)))))
-        packed = packed.contiguous()
-        bits = e4m3_bits(scales_e4m3).contiguous()  # decoded by the kernel, in the workers
-        lut = _e4m3_values()
-        addrs = (packed.data_ptr(), bits.data_ptr(), lut.data_ptr(), g.data_ptr())
-        outs = (out.data_ptr(), scales_out.data_ptr(), row_stats.data_ptr())
-        kh = k // 2
-
-        def work(r0: int) -> None:
-            assert kern is not None
-            kern.rows(*addrs, r0, min(r, r0 + step), kh, divisor, rule.value, *outs)
-
+        work = _native_work(kern, packed, scales_e4m3, g, divisor, rule, results, step)
     else:
-        local = threading.local()
-
-        def work(r0: int) -> None:
-            ws = getattr(local, "ws", None)
-            if ws is None:
-                ws = local.ws = _Workspace()
-            r1 = min(r, r0 + step)
-            dest = (out[r0:r1], scales_out[r0:r1], row_stats[r0:r1])
-            _slab(packed[r0:r1].contiguous(), e4m3_decode(scales_e4m3[r0:r1]).contiguous(), g[r0:r1], divisor, rule,
-                  ws, dest)
-
+        step = max(1, _SLAB_WEIGHTS // k)
+        work = _torch_work(packed, scales_e4m3, g, divisor, rule, results, step)
     starts = range(0, r, step)
     with _intra_op_threads(1):  # parallelism comes from the slabs, never from OpenMP inside an op
         if n_threads <= 1 or len(starts) == 1:
@@ -309,3 +300,52 @@ def requant_rows_cpu(
             with ThreadPoolExecutor(min(n_threads, len(starts))) as own:
                 list(own.map(work, starts))
     return out, scales_out, row_stats
+
+
+def _results(into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, r: int,
+             k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three result tensors: ``into``, checked, or new ones (row-major, whatever the input's strides)."""
+    if into is None:
+        return (torch.empty(r, k // 2, dtype=torch.uint8), torch.empty(r, k // MX_BLOCK, dtype=torch.uint8),
+                torch.zeros(r, 5, dtype=torch.float64))
+    if tuple(tuple(t.shape) for t in into) != ((r, k // 2), (r, k // MX_BLOCK), (r, 5)) \
+            or not all(t.is_contiguous() for t in into):
+        raise ValueError("into: tensors must be contiguous and of the result shapes")
+    return into
+
+
+def _native_work(kern: Any, packed: torch.Tensor, scales_e4m3: torch.Tensor, g: torch.Tensor, divisor: bool,
+                 rule: ScaleRule, results: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 step: int) -> Callable[[int], None]:
+    """The slab starting at a row, by the compiled kernel (which decodes the E4M3 bits itself)."""
+    r, kh = packed.shape[0], packed.shape[1]
+    packed = packed.contiguous()
+    bits = e4m3_bits(scales_e4m3).contiguous()
+    lut = _e4m3_values()
+    keep = (packed, bits, lut)  # alive while the workers read their addresses
+    addrs = (packed.data_ptr(), bits.data_ptr(), lut.data_ptr(), g.data_ptr())
+    outs = tuple(t.data_ptr() for t in results)
+
+    def work(r0: int) -> None:
+        assert keep
+        kern.rows(*addrs, r0, min(r, r0 + step), kh, divisor, rule.value, *outs)
+
+    return work
+
+
+def _torch_work(packed: torch.Tensor, scales_e4m3: torch.Tensor, g: torch.Tensor, divisor: bool, rule: ScaleRule,
+                results: tuple[torch.Tensor, torch.Tensor, torch.Tensor], step: int) -> Callable[[int], None]:
+    """The slab starting at a row, with single-threaded torch ops (one workspace per worker thread)."""
+    r = packed.shape[0]
+    local = threading.local()
+
+    def work(r0: int) -> None:
+        ws = getattr(local, "ws", None)
+        if ws is None:
+            ws = local.ws = _Workspace()
+        r1 = min(r, r0 + step)
+        out, scales_out, row_stats = results
+        _slab(packed[r0:r1].contiguous(), e4m3_decode(scales_e4m3[r0:r1]).contiguous(), g[r0:r1], divisor, rule,
+              ws, (out[r0:r1], scales_out[r0:r1], row_stats[r0:r1]))
+
+    return work
