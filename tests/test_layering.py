@@ -114,3 +114,45 @@ def test_each_package_imports_only_what_its_row_allows(name: str) -> None:
     assert not bad, bad
     # the table is the package's actual imports, not a looser bound
     assert found == ALLOWED[name], f"{name}: imports {sorted(found)}, the table says {sorted(ALLOWED[name])}"
+
+
+LONGEST_FUNCTION = 60
+LONGEST_MODULE = 500
+
+
+def _sizes(root: Path = PKG) -> tuple[list[str], list[str]]:
+    """Modules over LONGEST_MODULE lines and functions over LONGEST_FUNCTION, outside kernels/ (its
+    Triton JIT code is written for the compiler, not split for reading)."""
+    modules, functions = [], []
+    for path in sorted(root.rglob("*.py")):
+        if "kernels" in path.relative_to(root).parts:
+            continue
+        text = path.read_text()
+        rel = str(path.relative_to(root.parent))
+        if len(text.splitlines()) > LONGEST_MODULE:
+            modules.append(f"{rel} ({len(text.splitlines())} lines)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > LONGEST_FUNCTION:
+                    functions.append(f"{rel}:{node.lineno} {node.name} ({n} lines)")
+    return modules, functions
+
+
+def test_no_module_or_function_is_too_long_to_read() -> None:
+    modules, functions = _sizes()
+    assert not modules, f"modules over {LONGEST_MODULE} lines: {modules}"
+    assert not functions, f"functions over {LONGEST_FUNCTION} lines: {functions}"
+
+
+def test_the_size_check_sees_a_long_function_and_module(tmp_path: Path) -> None:
+    """The check counts what it should: a 61-line function and a 501-line module are each one too
+    many; the same in kernels/ passes."""
+    body = "\n".join(f"    x{i} = {i}" for i in range(LONGEST_FUNCTION))
+    pad = "\n" * (LONGEST_MODULE - LONGEST_FUNCTION)
+    for where in ("pkg/long.py", "pkg/kernels/long.py"):
+        (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / where).write_text(f"def f():\n{body}\n{pad}")
+    modules, functions = _sizes(tmp_path / "pkg")
+    assert modules == [f"pkg/long.py ({LONGEST_MODULE + 1} lines)"]
+    assert functions == [f"pkg/long.py:1 f ({LONGEST_FUNCTION + 1} lines)"]
