@@ -78,7 +78,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)  # DST's parent, also when SRC is given
     src = args.src
     if src is None:
-        sys.path.insert(0, str(HERE))
+        sys.path.insert(0, str(HERE.parent / "tools"))
         from gen_checkpoint import generate, warm
 
         shutil.rmtree(args.work, ignore_errors=True)

@@ -72,7 +72,7 @@ def main() -> None:
     args = ap.parse_args()
     shutil.rmtree(args.work, ignore_errors=True)
     gen = args.work / "gen"
-    subprocess.run([sys.executable, str(HERE / "gen_checkpoint.py"), str(gen), "--layout", args.layout,
+    subprocess.run([sys.executable, str(HERE.parent / "tools" / "gen_checkpoint.py"), str(gen), "--layout", args.layout,
                     "--layers", str(args.layers)], check=True, stdout=subprocess.DEVNULL)
     cache = args.work / "hf"
     snap = fill_cache(gen, cache)

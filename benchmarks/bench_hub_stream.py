@@ -30,7 +30,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(ROOT), str(HERE)]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 from gen_checkpoint import generate  # noqa: E402
 from rss_watch import status  # noqa: E402

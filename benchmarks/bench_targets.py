@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # tests.gguf_runtime (the GGUF case's tokenizer)
 import bench_convert
 

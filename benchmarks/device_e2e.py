@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from gen_checkpoint import generate
 
 PY = sys.executable
@@ -40,7 +40,7 @@ def torch_bytecode_cached(env: dict[str, str] | None = None) -> bool:
     """Whether a process started with this one's environment updated by ``env`` finds torch's modules
     compiled (the bytecode of its ``__init__``, under ``PYTHONPYCACHEPREFIX`` when set). Without it
     every fresh process compiles them: ~2 s more of torch's import on the H200 hosts
-    (``benchmarks/import_bytecode.sh``)."""
+    (``tools/import_bytecode.sh``)."""
     prefix = {**os.environ, **(env or {})}.get("PYTHONPYCACHEPREFIX") or None
     old, sys.pycache_prefix = sys.pycache_prefix, prefix
     try:
@@ -117,7 +117,7 @@ def main() -> None:
                     help="first write the bytecode of every module a conversion of this checkout imports (torch's and "
                          "Triton's included) under this folder, in one untimed conversion; variants read it with "
                          "PYTHONPYCACHEPREFIX=<folder> (torch's import with and without bytecode, "
-                         "benchmarks/import_bytecode.sh)")
+                         "tools/import_bytecode.sh)")
     ap.add_argument("--hashers", default="", help="comma list of MXFP4CONV_HASHER values, alternated within each round")
     ap.add_argument("--shard-sizes", default="", help="comma list of --max-shard-size values, alternated within each round")
     ap.add_argument("--variants", default="",

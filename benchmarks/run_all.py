@@ -2,10 +2,10 @@
 ``.bench/bench_<date>_cpu.jsonl`` (an untracked folder; ``--out-dir`` to change it).
 
 The GPU benchmarks (``bench_requant_gpu.py``, ``device_e2e.py``: the default command and
-``--no-verify`` against ``cp -r`` + ``sync``, ``device_profile.py``, ``probe_start.py``,
-``trace_start.py``: the start's milestones) need a CUDA
-machine and are run by hand (BENCHMARKS.md gives each command); ``rss_watch.py`` wraps any command;
-``import_bytecode.sh`` times torch's import in fresh processes, with and without a bytecode cache.
+``--no-verify`` against ``cp -r`` + ``sync``) need a CUDA machine and are run by hand (BENCHMARKS.md
+gives each command). The checkpoint generator, the profilers (``device_profile.py``,
+``probe_start.py``, ``trace_start.py``, ``rss_watch.py``, ``import_bytecode.sh``) and the header
+fuzzer live in ``tools/``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ sets the size. Non-expert tensors are small bf16 stand-ins (attention, norms, ro
 deepseek``: the same Qwen3-MoE model with DeepSeek-V3-sized routed experts (hidden 7168,
 moe_intermediate 2048, 256 experts: 6.4 GB per NVFP4 layer), for what a large layer holds.
 
-    python benchmarks/gen_checkpoint.py OUT --layout ct-mxfp4 --layers 13
+    python tools/gen_checkpoint.py OUT --layout ct-mxfp4 --layers 13
 """
 
 from __future__ import annotations

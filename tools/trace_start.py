@@ -1,7 +1,7 @@
 """The milestones of a conversion's start, as users run it: when torch is imported, SRC planned, the
 first unit read and requantized, the first bytes written, and when the process ends.
 
-    PYTHONPATH=. python3 benchmarks/trace_start.py OUT_DIR --src SRC [--rounds 3]
+    PYTHONPATH=. python3 tools/trace_start.py OUT_DIR --src SRC [--rounds 3]
         [--variants "new:;base:CWD=/path/to/checkout"] [-- EXTRA CONVERT FLAGS]
 
 Each round runs ``python -m mxfp4conv convert SRC DST --to ct --json`` (the default command; EXTRA
@@ -11,7 +11,7 @@ since the launcher started it) taken by wrappers around a few functions and arou
 torch, numpy, triton and the package's modules, and by a thread that watches the staged shards'
 size every 5 ms; nothing else of the command changes. A variant's ``CWD`` runs the checkout found
 there (a same-run A/B of two versions); its other variables are set in the conversion's environment
-(``pyc:PYTHONPYCACHEPREFIX=/tmp/pyc``: torch's bytecode from a cache, ``benchmarks/import_bytecode.sh``).
+(``pyc:PYTHONPYCACHEPREFIX=/tmp/pyc``: torch's bytecode from a cache, ``tools/import_bytecode.sh``).
 The first line says whether torch's bytecode is cached for a process started as this one; every
 event goes to OUT_DIR/trace_<variant>_r<round>.txt; one JSON line per run gives the milestones, then
 the medians per variant.

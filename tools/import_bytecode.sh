@@ -2,7 +2,7 @@
 # torch's (and Triton's) import in a fresh process, as this machine's Python runs it and with a bytecode
 # cache, alternated over ROUNDS rounds:
 #
-#     bash benchmarks/import_bytecode.sh [ROUNDS] [CACHE_DIR]
+#     bash tools/import_bytecode.sh [ROUNDS] [CACHE_DIR]
 #
 # A Python that has no bytecode for torch's modules (installed without compiling them, e.g. by uv
 # without --compile-bytecode, and run with PYTHONDONTWRITEBYTECODE=1, as Docker images often set)

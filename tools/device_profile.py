@@ -1,6 +1,6 @@
 """Where the time of an NVFP4 -> MXFP4 conversion goes on a CUDA machine (host-side profile).
 
-    PYTHONPATH=. python3 benchmarks/device_profile.py OUT_DIR [--layers 4] [--device cuda:0]
+    PYTHONPATH=. python3 tools/device_profile.py OUT_DIR [--layers 4] [--device cuda:0]
 
 Generates a Qwen3-30B-A3B-like ModelOpt NVFP4 checkpoint, converts it once in-process under cProfile
 (``--no-verify``), and writes OUT_DIR/profile.txt (top functions by total and cumulative time) and

@@ -1,6 +1,6 @@
 """When a command reaches its peak RSS, and of what kind that memory is.
 
-    python3 benchmarks/rss_watch.py [--period 0.002] -- COMMAND ...
+    python3 tools/rss_watch.py [--period 0.002] -- COMMAND ...
 
 Runs COMMAND and reads its ``/proc/PID/status`` every PERIOD seconds: anonymous, file-backed and
 shared resident memory, and the high-water mark (``VmHWM``, what ``getrusage``'s ``ru_maxrss``

@@ -1,6 +1,6 @@
 """Where a fresh GPU conversion's start goes: Python, torch's import, CUDA's start, the kernel's load.
 
-    PYTHONPATH=. python3 benchmarks/probe_start.py [--rounds 3] [--importtime]
+    PYTHONPATH=. python3 tools/probe_start.py [--rounds 3] [--importtime]
 
 Each case runs in a fresh interpreter, the cases alternating within each round. ``key`` times Triton's import and its
 cache key (a hash of its install) alone; ``kernel``

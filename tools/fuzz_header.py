@@ -5,12 +5,12 @@ hang or a huge allocation. Every input is written to a file (on /dev/shm when pr
 a parse is then checked (bounds, sizes, no overlaps) and its tensors loaded.
 
     pip install atheris
-    python benchmarks/fuzz_header.py --seeds /tmp/fuzz-header-corpus     # write seed shards, exit
-    python benchmarks/fuzz_header.py /tmp/fuzz-header-corpus -dict=benchmarks/fuzz_header.dict \
+    python tools/fuzz_header.py --seeds /tmp/fuzz-header-corpus     # write seed shards, exit
+    python tools/fuzz_header.py /tmp/fuzz-header-corpus -dict=tools/fuzz_header.dict \
         -max_total_time=300 -max_len=4096 -rss_limit_mb=4096
 
 Findings (crash inputs) are written by libFuzzer as ``crash-*`` files in the working directory;
-reproduce one with ``python benchmarks/fuzz_header.py crash-<sha>``. ``--structured`` switches to a
+reproduce one with ``python tools/fuzz_header.py crash-<sha>``. ``--structured`` switches to a
 mode where the fuzzer's bytes drive a JSON header's structure (names, dtypes, shapes, offsets,
 damaged fields, length field) instead of raw bytes. See FUZZING.md.
 """
