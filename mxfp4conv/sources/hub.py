@@ -407,20 +407,20 @@ def retrying(fn: Callable[[], T], where: str, token: str | bool | None = None) -
         RevisionNotFoundError,
     )
 
+    # the Hub's final answers, most specific first (a gated repo is also a RepositoryNotFoundError)
+    answers: tuple[tuple[type[Exception], str, str], ...] = (
+        (GatedRepoError, "the repo is gated and this account has no access",
+         "accept its terms on the Hub and log in (hf auth login or HF_TOKEN)"),
+        (RepositoryNotFoundError, "no such repo on the Hub (or it is private)",
+         "check the repo id; for a private repo log in (hf auth login or HF_TOKEN)"),
+        (RevisionNotFoundError, "no such revision in the repo", "check the branch, tag or commit after @ / --revision"),
+        (RemoteEntryNotFoundError, "no such file in the repo at this revision", "check the file list on the Hub"),
+    )
     try:
         return retried(fn)
-    except GatedRepoError as exc:
-        raise InputError("the repo is gated and this account has no access", file=where,
-                         hint="accept its terms on the Hub and log in (hf auth login or HF_TOKEN)") from exc
-    except RepositoryNotFoundError as exc:
-        raise InputError("no such repo on the Hub (or it is private)", file=where,
-                         hint="check the repo id; for a private repo log in (hf auth login or HF_TOKEN)") from exc
-    except RevisionNotFoundError as exc:
-        raise InputError("no such revision in the repo", file=where,
-                         hint="check the branch, tag or commit after @ / --revision") from exc
-    except RemoteEntryNotFoundError as exc:
-        raise InputError("no such file in the repo at this revision", file=where,
-                         hint="check the file list on the Hub") from exc
+    except (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError, RemoteEntryNotFoundError) as exc:
+        message, hint = next((m, h) for kind, m, h in answers if isinstance(exc, kind))
+        raise InputError(message, file=where, hint=hint) from exc
     except (HfHubHTTPError, httpx.HTTPError, LocalEntryNotFoundError) as exc:
         # LocalEntryNotFoundError: hf_hub_download's HEAD failed and the cache has no copy
         raise InputError(f"cannot read from the Hub: {why(exc, token)}", file=where,
