@@ -41,15 +41,16 @@ RANGES = [(0, 0), (17, 0), (0, 1), (3, 100), (4095, 4097), (4096, 8192), (1, 3 *
           (0, 3 * (1 << 20) + 12_345), (1 << 20, 1 << 20), ((1 << 20) - 1, 2 * (1 << 20) + 3)]
 
 
+@pytest.mark.parametrize("how", ["hash_range", "hash_mapped"])
 @pytest.mark.parametrize("bufsize", [4096, 65_537, hn.CHUNK])
 @pytest.mark.parametrize(("pos", "length"), RANGES)
 def test_native_range_digest_equals_hashlib(native: hn._Native, data_file: tuple[Path, bytes], bufsize: int,
-                                            pos: int, length: int) -> None:
+                                            pos: int, length: int, how: str) -> None:
     path, data = data_file
     fd = os.open(path, os.O_RDONLY)
     try:
         h = hn.NativeSha256(native)
-        assert h.hash_range(fd, pos, length, hn.buffer(bufsize)) == (length, 0)
+        assert getattr(h, how)(fd, pos, length, hn.buffer(bufsize)) == (length, 0)
         assert h.hexdigest() == hashlib.sha256(data[pos:pos + length]).hexdigest()
         assert h.hexdigest() == hashlib.sha256(data[pos:pos + length]).hexdigest()  # repeatable
     finally:
@@ -92,6 +93,29 @@ def test_native_short_file_bad_fd_and_0xff(native: hn._Native, tmp_path: Path) -
         os.close(fd)
     done, status = hn.NativeSha256(native).hash_range(fd, 0, 10, hn.buffer(64))  # closed descriptor
     assert (done, status) == (0, 9)  # EBADF
+
+
+def test_mapped_hash_over_windows_short_file_and_bad_fd(native: hn._Native, tmp_path: Path) -> None:
+    """The in-place hash maps 64 MiB at a time: a range across windows (of a sparse file) is hashed as
+    read; a range past the end hashes what there is, as the pread loop does; a closed descriptor is its errno."""
+    path = tmp_path / "big.bin"
+    with path.open("wb") as fh:
+        fh.write(b"head")
+        fh.seek(64 << 20)
+        fh.write(bytes(range(256)) * 40)
+        fh.seek((129 << 20) + 7)
+        fh.write(b"tail")
+    data = path.read_bytes()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for pos, length in ((0, len(data)), (4093, (64 << 20) + 100), ((64 << 20) - 5, 20), (3, len(data))):
+            h = hn.NativeSha256(native)
+            want = min(length, len(data) - pos)
+            assert h.hash_mapped(fd, pos, length, hn.buffer(4096)) == (want, 0)
+            assert h.hexdigest() == hashlib.sha256(data[pos:pos + want]).hexdigest()
+    finally:
+        os.close(fd)
+    assert hn.NativeSha256(native).hash_mapped(fd, 0, 10, hn.buffer(64)) == (0, 9)  # EBADF
 
 
 def _writer_job(tmp_path: Path) -> tuple[list[tuple[str, str, tuple[int, ...]]], list[object]]:
@@ -200,13 +224,19 @@ def test_no_libcrypto_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert not isinstance(hn.sha256(), hn.NativeSha256) and "libcrypto" in (hn.build_error() or "")
 
 
-def test_a_wrong_native_digest_is_refused_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A helper that hashes the wrong bytes (here: one byte short per chunk) fails the self-check on
-    load: auto falls back to hashlib, native is an error."""
+@pytest.mark.parametrize("right,wrong", [
+    ("update(ctx, buf, (size_t)got)", "update(ctx, buf, (size_t)got - 1)"),  # the pread loop
+    ("update(ctx, m + (at - start), (size_t)n)", "update(ctx, m + (at - start), (size_t)n - 1)"),  # in place
+])
+def test_a_wrong_native_digest_is_refused_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, right: str,
+                                                  wrong: str) -> None:
+    """A helper that hashes the wrong bytes (here: one byte short per chunk, read or mapped) fails the
+    self-check on load: auto falls back to hashlib, native is an error."""
     if compiler() is None:
         pytest.skip("no C compiler")
     bad = tmp_path / "hash_native.c"
-    bad.write_text(hn._SOURCE.read_text().replace("update(ctx, buf, (size_t)got)", "update(ctx, buf, (size_t)got - 1)"))
+    assert hn._SOURCE.read_text().count(right) == 1
+    bad.write_text(hn._SOURCE.read_text().replace(right, wrong))
     assert bad.read_text() != hn._SOURCE.read_text()
     monkeypatch.setattr(hn, "_SOURCE", bad)
     monkeypatch.setattr(hn, "_lib", None)

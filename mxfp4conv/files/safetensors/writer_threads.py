@@ -300,7 +300,10 @@ class BackgroundWriter:
         """``_hash_range`` in one GIL-free call (reads, the E8M0 0xFF check and the sha256 in C)."""
         if self._nbuf is None:
             self._nbuf = hash_native.buffer()
-        done, status = self._digest.hash_range(fd, pos, left, self._nbuf, src is not None and src.e8m0)
+        if src is None:  # the shard's own bytes: hashed in place (its pages were just written)
+            done, status = self._digest.hash_mapped(fd, pos, left, self._nbuf)
+        else:  # a source another program may change: read, so a shrunk file reads short, never faults
+            done, status = self._digest.hash_range(fd, pos, left, self._nbuf, src.e8m0)
         if status == -1:
             assert src is not None
             raise _bad_scale(src)
