@@ -92,8 +92,10 @@ def _keep_refusal(ctx: WriterContext, arch: Arch) -> str | None:
     if ctx.layout == "ct-nvfp4":
         return NVFP4_DIVISOR_REFUSAL
     if not arch.nvfp4_scales:
-        return (f"--keep-nvfp4: llama.cpp's {arch.name} graph does not multiply NVFP4 weights by their per-tensor "
-                "scale; drop the flag to requantize to MXFP4")
+        checked = ", ".join(sorted({a.name for a in ARCHS.values() if a.nvfp4_scales}))
+        return (f"--keep-nvfp4: GGML NVFP4 is written for the architectures whose llama.cpp graph is checked to "
+                f"multiply NVFP4 weights by their per-tensor scale ({checked}), not {arch.name}; drop the flag to "
+                "requantize to MXFP4")
     for u in ctx.units:
         if u.kind == "moe" and (u.dims[1] % 64 or u.dims[2] % 64):
             return (f"{u.key}: --keep-nvfp4: GGML NVFP4 blocks are 64 elements along the input; hidden {u.dims[1]} "

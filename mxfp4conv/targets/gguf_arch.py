@@ -199,3 +199,15 @@ def _granitemoe(cfg: Mapping[str, Any]) -> list[KV]:
 
 ARCHS["granitemoe"] = Arch("granitemoe", {**_NORMS, **_QKVO, "block_sparse_moe.router.layer.weight": "ffn_gate_inp.weight"},
                            _granitemoe, experts="block_sparse_moe.experts", qk_permute=True)
+
+
+def _llama(cfg: Mapping[str, Any]) -> list[KV]:
+    # Mixtral is llama.cpp's llama with experts: the rotary width is the head's, experts use feed_forward_length
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    out = [*_common(cfg), _u32("feed_forward_length", cfg["intermediate_size"]), _u32("vocab_size", cfg["vocab_size"]),
+           _u32("rope.dimension_count", head_dim)]
+    return out + (_head_dim(cfg) if cfg.get("head_dim") else [])
+
+
+ARCHS["mixtral"] = Arch("llama", {**_NORMS, **_QKVO, "block_sparse_moe.gate.weight": "ffn_gate_inp.weight"}, _llama,
+                        experts="block_sparse_moe.experts", qk_permute=True)

@@ -29,7 +29,8 @@ from tests import builders, oracle
 from tests.producers.producers_lib import load_tensors
 
 PROMPT = [int(x) for x in np.random.default_rng(20261206).integers(3, 250, 16)]
-_EXPERT = re.compile(r"^(?P<c>.+)\.experts\.(?P<e>\d+)\.(?P<p>gate_proj|up_proj|down_proj)$")
+_EXPERT = re.compile(r"^(?P<c>.+)\.experts\.(?P<e>\d+)\.(?P<p>gate_proj|up_proj|down_proj|w1|w3|w2)$")
+_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's expert names on disk
 # NVFP4 sources whose dims are whole GGML NVFP4 blocks (64 inputs): also converted with --keep-nvfp4
 KEEP = ("qwen3_moe-modelopt-nvfp4-h128",)
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -124,7 +125,8 @@ def sources(root: Path) -> list[Case]:
     biases, sinks, sliding window, YaRN) and DeepSeek-R1's replicas (MLA, a dense FP4 MLP, shared experts, an
     MTP layer; NVIDIA's NVFP4 with an FP8 KV cache and AMD's Quark MXFP4), and GLM-4.5's llm-compressor NVFP4
     replica (partial rotary, attention biases, sigmoid routing, a leading dense layer, a shared expert), and
-    GraniteMoE written by llm-compressor (MXFP4 attention, llama.cpp's interleaved rotary pairs, multipliers)."""
+    GraniteMoE written by llm-compressor (MXFP4 attention, llama.cpp's interleaved rotary pairs, multipliers),
+    and Mixtral MXFP4 / NVFP4 (llama.cpp's ``llama`` with experts: interleaved rotary pairs, ``w1/w3/w2``)."""
     from tests.replicas import deepseek, granitemoe
     from tests.replicas.ct_families import autoround_mxfp4, glm45
     from tests.serving.serving_sources import build_moe
@@ -142,6 +144,9 @@ def sources(root: Path) -> list[Case]:
     out["granitemoe-ct-mxfp4"] = (granitemoe.llmcompressor_mxfp4(root / "granite").path, "granitemoe")
     out["qwen3_moe-modelopt-nvfp4-h128"] = (build_moe("qwen3_moe", root / "h128", seed=3).paths["modelopt-nvfp4"],
                                             "qwen3_moe")
+    mixtral = build_moe("mixtral", root / "mixtral", seed=2)
+    for layout in ("ct-mxfp4", "ct-nvfp4"):
+        out[f"mixtral-{layout}"] = (mixtral.paths[layout], "mixtral")
     cases = []
     for name, (path, mt) in out.items():
         add_bpe_tokenizer(path, int(json.loads((path / "config.json").read_text())["vocab_size"]))
@@ -194,7 +199,7 @@ def _state(case: Case, written: bool) -> dict[str, torch.Tensor]:
         if m is None:
             state[f"{module}.weight"] = torch.from_numpy(np.ascontiguousarray(v))
         else:
-            experts.setdefault(m["c"], {}).setdefault(m["p"], {})[int(m["e"])] = v
+            experts.setdefault(_module(m["c"], case.model_type), {}).setdefault(_PROJ.get(m["p"], m["p"]), {})[int(m["e"])] = v
     for c, by in experts.items():
         n = len(by["gate_proj"])
         gate, up, down = (np.stack([by[p][e] for e in range(n)]) for p in ("gate_proj", "up_proj", "down_proj"))
@@ -215,8 +220,13 @@ def _state(case: Case, written: bool) -> dict[str, torch.Tensor]:
         if name.endswith((".k_scale", ".v_scale")):  # an FP8 KV cache's scales: the reference computes in float32
             continue
         if not name.startswith(owned) and t.dtype in (torch.bfloat16, torch.float16, torch.float32):
-            state[name.replace(".router.layer.", ".router.")] = t.float()  # GraniteMoE: llm-compressor's name on disk
+            state[_module(name.replace(".router.layer.", ".router."), case.model_type)] = t.float()  # GraniteMoE: llm-compressor's
     return state
+
+
+def _module(name: str, model_type: str) -> str:
+    """transformers' module name of a checkpoint name (Mixtral's ``block_sparse_moe`` is its ``mlp``)."""
+    return f"{name}.".replace(".block_sparse_moe.", ".mlp.")[:-1] if model_type == "mixtral" else name
 
 
 def reference_logits(case: Case, written: bool) -> np.ndarray:

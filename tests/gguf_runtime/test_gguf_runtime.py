@@ -2,7 +2,7 @@
 
 Per case (every input layout on a tiny Qwen3-MoE, AutoRound's Qwen3-MoE with FP4 attention, GPT-OSS,
 DeepSeek-R1's NVFP4 and Quark MXFP4 replicas, a Qwen3-MoE NVFP4 source also kept as GGML NVFP4 with
-``--keep-nvfp4``, an output split by ``--max-shard-size``): llama.cpp loads the GGUF; the prompt's logits agree with transformers'
+``--keep-nvfp4``, GLM-4.5, GraniteMoE and Mixtral, an output split by ``--max-shard-size``): llama.cpp loads the GGUF; the prompt's logits agree with transformers'
 float32 model of the source; greedy generation produces tokens. The negative control (gate and up swapped
 in one layer) loads and must fail the logits check.
 
@@ -10,8 +10,8 @@ Tolerance, as a mean |difference| relative to the RMS of the reference logits: l
 round their activations before the dot product, to Q8_0 for an MXFP4 weight (blocks of 32 with a float16
 scale: a relative rounding of up to 2^-8 of the block's largest value) and to BF16 for a BF16 weight
 (2^-9), and about ten rounded matmuls lie between the embedding and the logits of these 2-layer models:
-measured 0.0036 to 0.0123 (FP4 attention adds Q8_0 rounding to every projection). ``TOL`` = 0.02 leaves 2.5x
-and stays far under the gate/up swap's 0.07.
+measured 0.0036 to 0.0165 (FP4 attention adds Q8_0 rounding to every projection; Mixtral's is the largest). ``TOL`` =
+0.02 stays far under the gate/up swap's 0.07 and Mixtral with its Q and K rows left in HF's order (0.22).
 
 Every MXFP4 tensor of each output, read and dequantized by the ``gguf`` package (llama.cpp's own Python
 reader, not mxfp4conv's), is the source's values bit for bit (MXFP4 sources) or the oracle's
@@ -37,7 +37,7 @@ CASES = ["qwen3_moe-ct-mxfp4", "qwen3_moe-modelopt-nvfp4", "qwen3_moe-ct-nvfp4",
          "qwen3_moe-quark-nvfp4",
          "qwen3_moe-autoround-mxfp4", "gpt_oss", "deepseek_v3-modelopt-nvfp4-r1", "deepseek_v3-quark-mxfp4-r1",
          "qwen3_moe-modelopt-nvfp4-h128", "qwen3_moe-modelopt-nvfp4-h128--keep-nvfp4", "glm4_moe-ct-nvfp4",
-         "granitemoe-ct-mxfp4", SHARDED]
+         "granitemoe-ct-mxfp4", "mixtral-ct-mxfp4", "mixtral-ct-nvfp4", SHARDED]
 
 
 def _result(ran: Ran, name: str) -> dict[str, Any]:
@@ -107,11 +107,13 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 def gguf_fp4(folder: Path, case: C.Case) -> dict[str, np.ndarray]:
     """Every FP4 matrix of a GGUF output, dequantized by the ``gguf`` package, by source module name; an NVFP4
     matrix times its ``<name>.scale`` (one per matrix: one per expert of a stack), as llama.cpp multiplies it;
-    a permuted Q / K projection (GraniteMoE) with its rows put back."""
+    a permuted Q / K projection (GraniteMoE, Mixtral) with its rows put back."""
     import json
 
     cfg = json.loads((case.src / "config.json").read_text())
-    experts = "block_sparse_moe.experts" if case.model_type == "granitemoe" else "mlp.experts"
+    experts = "block_sparse_moe.experts" if case.model_type in ("granitemoe", "mixtral") else "mlp.experts"
+    proj = {"gate": "w1", "up": "w3", "down": "w2"} if case.model_type == "mixtral" else {
+        p: f"{p}_proj" for p in ("gate", "up", "down")}
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
@@ -126,10 +128,10 @@ def gguf_fp4(folder: Path, case: C.Case) -> dict[str, np.ndarray]:
             values = values * (scale[:, None, None] if values.ndim == 3 else scale[0])
         if (m := _EXPS.match(t.name)) is not None:
             for e in range(values.shape[0]):
-                out[f"model.layers.{m[1]}.{experts}.{e}.{m[2]}_proj"] = values[e]
+                out[f"model.layers.{m[1]}.{experts}.{e}.{proj[m[2]]}"] = values[e]
             continue
         _blk, layer, kind, _ = t.name.split(".")
-        if case.model_type == "granitemoe" and kind in ("attn_q", "attn_k"):
+        if case.model_type in ("granitemoe", "mixtral") and kind in ("attn_q", "attn_k"):
             values = _unpermute(values, int(cfg["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]))
         out[f"model.layers.{layer}.{_DENSE[kind]}"] = values
     return out

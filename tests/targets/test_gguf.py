@@ -97,6 +97,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Src]:
         # refused
         "no-tokenizer": builders.build("ct-mxfp4", root / "no-tokenizer", shards=1),
         "mixtral": _tokenized(build_moe("mixtral", root / "mixtral", 0).paths["ct-mxfp4"]),
+        "qwen3-next": _tokenized(ct_families.qwen3_next(root / "qwen3-next").path),
         "fp8-block": _tokenized(deepseek.ct_mixed_nvfp4_fp8block(root / "fp8-block").path),
     }
     return {k: Src(p, json.loads((p / "config.json").read_text())) for k, p in paths.items()}
@@ -189,6 +190,30 @@ def test_architecture_hyper_parameters(outputs: dict[str, Path], sources: dict[s
         assert got == want, f"{src.arch}.{key}: {got!r}, expected {want!r}"
         if isinstance(want, int) and not isinstance(want, bool):
             assert _types(r, f"{src.arch}.{key}") == [GGUFValueType.UINT32], key
+
+
+def test_mixtral_is_llama_cpp_s_llama_with_experts(sources: dict[str, Src], tmp_path: Path) -> None:
+    """Mixtral converts as llama.cpp's converter writes it: architecture ``llama`` and its keys, experts
+    stacked from ``block_sparse_moe.experts.E.w1/w3/w2`` as MXFP4 (llama.cpp computing with it: the
+    runtime tests)."""
+    src = sources["mixtral"]
+    assert _convert(src.path, tmp_path / "out").exit_code == EXIT_OK
+    r, c = _reader(tmp_path / "out"), src.cfg
+    assert _value(r, "general.architecture") == "llama"
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    want = {"block_count": c["num_hidden_layers"], "embedding_length": c["hidden_size"],
+            "attention.head_count": c["num_attention_heads"], "attention.head_count_kv": c["num_key_value_heads"],
+            "expert_count": c["num_local_experts"], "expert_used_count": c["num_experts_per_tok"],
+            "feed_forward_length": c["intermediate_size"], "rope.dimension_count": head_dim,
+            "vocab_size": c["vocab_size"], "rope.freq_base": pytest.approx(c["rope_theta"], rel=1e-7)}
+    for key, v in want.items():
+        assert _value(r, f"llama.{key}") == v, key
+    by = {t.name: t for t in r.tensors}
+    for p, rows, cols in (("gate", c["intermediate_size"], c["hidden_size"]), ("up", c["intermediate_size"], c["hidden_size"]),
+                          ("down", c["hidden_size"], c["intermediate_size"])):
+        t = by[f"blk.0.ffn_{p}_exps.weight"]
+        assert t.tensor_type == MXFP4 and _ne(t) == [cols, rows, c["num_local_experts"]]
+    assert by["blk.0.ffn_gate_inp.weight"].tensor_type == GGMLQuantizationType.F32
 
 
 # ------------------------------------------------------------------ tensors
@@ -432,11 +457,12 @@ def test_inspect_refuses_gguf_without_a_tokenizer(sources: dict[str, Src]) -> No
 
 
 @pytest.mark.parametrize(("name", "extra", "says"), [
-    ("mixtral", [], ["'mixtral'", "deepseek_v3", "gpt_oss", "kimi_k2", "qwen3_moe"]),
+    ("qwen3-next", [], ["'qwen3_next'", "deepseek_v3", "gpt_oss", "kimi_k2", "mixtral", "qwen3_moe"]),
     ("modelopt-nvfp4", ["--keep-nvfp4"], ["--keep-nvfp4", "MXFP4"]),
+    ("mixtral", ["--keep-nvfp4"], ["--keep-nvfp4", "MXFP4"]),
     ("fp8-block", [], ["model.layers.0.self_attn.kv_b_proj", "fp8-block", "FP8"]),
     ("no-tokenizer", [], ["tokenizer.json", "no tokenizer"]),
-], ids=["unknown-architecture", "keep-nvfp4", "fp8-layer", "no-tokenizer"])
+], ids=["unknown-architecture", "keep-nvfp4", "keep-nvfp4-mxfp4-source", "fp8-layer", "no-tokenizer"])
 def test_refusals_at_planning(sources: dict[str, Src], tmp_path: Path, name: str, extra: list[str],
                               says: list[str]) -> None:
     parent = tmp_path / "out"
