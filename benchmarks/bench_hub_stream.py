@@ -7,7 +7,7 @@
 Alternating rounds, each in fresh processes with an empty huggingface_hub cache; wall seconds, the
 bytes the server sent, the most disk in use meanwhile (cache + output, sampled every 0.2 s) and at the
 end, the peak RSS of the converting process, and how long the run went on after the link sent its
-last byte (``tail_s``). One JSON line per run, then the medians and their ratios, among them the
+last byte (``tail_s``) and when it first asked for a shard's bytes (``first_shard_byte_s``). One JSON line per run, then the medians and their ratios, among them the
 stream against the larger of the download and the local conversion of the downloaded folder
 (``stream_vs_max_download_local``): a stream can beat neither.
 
@@ -124,6 +124,7 @@ def main() -> None:
                 e = env(h.url, cache)
                 h.clear_log()
                 rss, convert_s = 0, 0.0
+                began = time.monotonic()
                 with DiskPeak(cache, out) as disk:
                     if case == "stream":
                         wall, rss, _ = run([*convert, REPO, str(out), *flags, "--stream"], e)
@@ -134,7 +135,10 @@ def main() -> None:
                             convert_s, rss, _ = run([*convert, folder, str(out), *flags], e)
                             wall += convert_s
                     tail = time.monotonic() - h.link_free_at  # the case's end after the link's last byte
-                doc = {"wall_s": round(wall, 2), "convert_s": round(convert_s, 2), "tail_s": round(tail, 2), "sent_gb": round(h.sent() / 1e9, 3),
+                # when the first byte of a shard was asked for, after the case's first process started
+                cdn = [r.at for r in h.requests(lambda r: r.host == "cdn" and r.method == "GET")]
+                first = round(min(cdn) - began, 2) if cdn else None
+                doc = {"wall_s": round(wall, 2), "convert_s": round(convert_s, 2), "tail_s": round(tail, 2), "first_shard_byte_s": first, "sent_gb": round(h.sent() / 1e9, 3),
                        "disk_gb": round((du(cache) + du(out)) / 1e9, 3), "peak_disk_gb": round(disk.peak / 1e9, 3),
                        "output_gb": round(du(out) / 1e9, 3), "rss_gb": round(rss / 1e9, 3)}
                 rows[case].append(doc)

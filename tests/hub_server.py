@@ -107,6 +107,7 @@ class Request:
     sent: int = 0
     received: int = 0  # request body bytes read (a PUT's upload)
     authorized: bool = False  # whether it carried an Authorization header
+    at: float = field(default_factory=time.monotonic)  # when it arrived (time.monotonic)
 
 
 @dataclass

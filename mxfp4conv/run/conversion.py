@@ -4,7 +4,7 @@
 shards whose hash and fsync are still running, and the stream of the last unit with computed
 outputs. Shards are produced a window at a time (``windows``), their units interleaved
 (``interleave``) so that the window's files grow, and are hashed, together. From a remote source, a
-MoE unit is produced in groups of its experts (``plan.expert_groups``), so that a layer is converted
+MoE unit converted on the CPU is produced in groups of its experts (``plan.expert_groups``), so that a layer is converted
 while its bytes arrive and the run ends soon after the last one.
 """
 
@@ -259,10 +259,12 @@ class Conversion:
             source.expect(planned)
 
     def _produced(self, unit: PlannedUnit, ctx: WriterContext) -> tuple[PlannedUnit, ...]:
-        """What a unit is produced as: its expert groups from a remote source on one device (a unit read
-        from local disk is there whole at once), else the unit."""
+        """What a unit is produced as: its expert groups from a remote source on the CPU (a unit read from
+        local disk is there whole at once; a GPU converts a whole layer in a fraction of the time its
+        bytes take to arrive, and one call per group cost it more than the link), else the unit."""
         job = self.job
-        if not job.ckpt.source.at_link_rate or len(devices(job.opts)) > 1:
+        devs = devices(job.opts)
+        if not job.ckpt.source.at_link_rate or len(devs) > 1 or devs[0].startswith("cuda"):
             return (unit,)
         return expert_groups(unit, job.ckpt, job.layout, job.target, ctx)
 
