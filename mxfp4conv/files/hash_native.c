@@ -55,8 +55,8 @@ int64_t mxfp4conv_hash_range(int fd, int64_t offset, int64_t length, void *ctx, 
     return done;
 }
 
-/* Windows of the mapped hash: the address space held at once. */
-#define MAP_WINDOW (64 << 20)
+/* Windows of the mapped hash: what is mapped at once (mapped page-cache pages count in the RSS). */
+#define MAP_WINDOW (16 << 20)
 
 /* mxfp4conv_hash_range for a file nobody else writes (the shard being written, once its range is in
  * it): the page cache hashed in place through a read-only mapping, one window at a time, with no copy

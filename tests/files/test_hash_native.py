@@ -96,7 +96,7 @@ def test_native_short_file_bad_fd_and_0xff(native: hn._Native, tmp_path: Path) -
 
 
 def test_mapped_hash_over_windows_short_file_and_bad_fd(native: hn._Native, tmp_path: Path) -> None:
-    """The in-place hash maps 64 MiB at a time: a range across windows (of a sparse file) is hashed as
+    """The in-place hash maps 16 MiB at a time: a range across windows (of a sparse file) is hashed as
     read; a range past the end hashes what there is, as the pread loop does; a closed descriptor is its errno."""
     path = tmp_path / "big.bin"
     with path.open("wb") as fh:
