@@ -459,9 +459,10 @@ def main() -> None:
     a CUDA context takes a noticeable share of a small conversion's time and buys nothing. Not with
     Ray loaded (its own exit handler disconnects the driver from the cluster)."""
     code = 0
-    # torch backs its CPU tensors of 2 MiB and more with transparent huge pages (read, is not before its
-    # first such allocation): a unit's fresh buffers then fault in 2 MiB at a time, not 4 KiB, which
-    # was a quarter of a decoding conversion's CPU time (BENCHMARKS.md, "--to gguf"). A user's 0 stands.
+    # torch then backs its CPU tensors of 2 MiB and more with transparent huge pages (it reads the variable
+    # once, at its first such allocation, so it is set before torch is imported): a unit's fresh buffers
+    # fault in 2 MiB at a time, not 4 KiB, which was a quarter of a decoding conversion's CPU time
+    # (BENCHMARKS.md, "--to gguf"; docs/performance.md). A user's 0 stands.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     try:
         cli(prog_name="mxfp4conv")

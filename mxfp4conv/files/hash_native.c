@@ -6,7 +6,7 @@
  * EVP_DigestUpdate from the libcrypto that Python's own _hashlib uses. */
 #define _FILE_OFFSET_BITS 64
 #define _XOPEN_SOURCE 700
-#define _DEFAULT_SOURCE /* MAP_POPULATE, madvise */
+#define _DEFAULT_SOURCE /* MAP_POPULATE */
 #include <errno.h>
 #include <stdint.h>
 #include <string.h>
