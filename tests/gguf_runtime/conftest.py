@@ -25,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 RUN = HERE / "llama_run.py"
 MARK = "MXFP4CONV-LLAMA-RESULT"  # llama_run.MARK
 NEGATIVE = "qwen3_moe-ct-mxfp4--gate-up-swapped"
+NEGATIVE_QK = "mixtral-ct-mxfp4--qk-unpermuted"
 SHARDED = "qwen3_moe-ct-mxfp4--split"
 
 
@@ -82,6 +83,13 @@ def llama_ran(tmp_path_factory: pytest.TempPathFactory) -> Ran:
         ran.references[case.name] = {"reference": C.reference_logits(case, written=False),
                                      "reference_written": C.reference_logits(case, written=True)}
         todo.append(C.expectations(case))
+    mixtral = ran.cases.get("mixtral-ct-mxfp4")
+    if mixtral is not None:
+        cfg = json.loads((mixtral.src / "config.json").read_text())
+        neg = C.unpermute_qk(mixtral.dst, root / "out" / NEGATIVE_QK, int(cfg["num_attention_heads"]),
+                             int(cfg["num_key_value_heads"]))
+        todo.append({**C.expectations(mixtral), "name": NEGATIVE_QK, "model": str(neg / "model.gguf")})
+        ran.references[NEGATIVE_QK] = ran.references[mixtral.name]
     base = ran.cases.get("qwen3_moe-ct-mxfp4")
     if base is not None:
         neg = C.swap_gate_up(base.dst, root / "out" / NEGATIVE)

@@ -263,5 +263,27 @@ def swap_gate_up(dst: Path, out: Path) -> Path:
     return out
 
 
+def unpermute_qk(dst: Path, out: Path, heads: int, kv_heads: int) -> Path:
+    """A copy of a GGUF output whose Q and K projections have their rows back in the checkpoint's
+    rotate-half order (not llama.cpp's interleaved pairs): the negative control of the Q/K row order of
+    an architecture llama.cpp runs with its NORM rope (Mixtral). Rows are moved as bytes, whatever the type."""
+    from gguf import GGUFReader
+
+    shutil.copytree(dst, out)
+    path = out / "model.gguf"
+    blob = bytearray(path.read_bytes())
+    for t in GGUFReader(str(path)).tensors:
+        kind = t.name.split(".")[-2] if t.name.startswith("blk.") else ""
+        if kind not in ("attn_q", "attn_k"):
+            continue
+        n = heads if kind == "attn_q" else kv_heads
+        rows = int(t.shape[1])
+        at = slice(int(t.data_offset), int(t.data_offset) + int(t.n_bytes))
+        raw = np.frombuffer(bytes(blob[at]), dtype=np.uint8).reshape(rows, -1)
+        blob[at] = raw.reshape(n, rows // n // 2, 2, -1).swapaxes(1, 2).reshape(rows, -1).tobytes()
+    path.write_bytes(bytes(blob))
+    return out
+
+
 def expectations(case: Case) -> dict[str, Any]:
     return {"name": case.name, "model": str(case.dst / "model.gguf"), "prompt": PROMPT}

@@ -11,7 +11,7 @@ round their activations before the dot product, to Q8_0 for an MXFP4 weight (blo
 scale: a relative rounding of up to 2^-8 of the block's largest value) and to BF16 for a BF16 weight
 (2^-9), and about ten rounded matmuls lie between the embedding and the logits of these 2-layer models:
 measured 0.0036 to 0.0165 (FP4 attention adds Q8_0 rounding to every projection; Mixtral's is the largest). ``TOL`` =
-0.02 stays far under the gate/up swap's 0.07 and Mixtral with its Q and K rows left in HF's order (0.22).
+0.02 stays far under the gate/up swap's 0.07 and Mixtral with its Q and K rows left in the checkpoint's order (0.22): both negative controls below.
 
 Every MXFP4 tensor of each output, read and dequantized by the ``gguf`` package (llama.cpp's own Python
 reader, not mxfp4conv's), is the source's values bit for bit (MXFP4 sources) or the oracle's
@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from tests.gguf_runtime import gguf_cases as C
-from tests.gguf_runtime.conftest import NEGATIVE, SHARDED, Ran
+from tests.gguf_runtime.conftest import NEGATIVE, NEGATIVE_QK, SHARDED, Ran
 
 pytestmark = pytest.mark.gguf
 
@@ -75,10 +75,12 @@ def test_llama_cpp_generates(llama_ran: Ran, name: str) -> None:
     assert r["generated_tokens"] > 0, r
 
 
-def test_the_negative_control_fails_the_logits_check(llama_ran: Ran, record: Any) -> None:
-    """Gate and up swapped in one layer: llama.cpp loads it, and the logits say so."""
-    r = _result(llama_ran, NEGATIVE)
-    ref = llama_ran.references[NEGATIVE]["reference_written"]
+@pytest.mark.parametrize("name", [NEGATIVE, NEGATIVE_QK])
+def test_the_negative_controls_fail_the_logits_check(llama_ran: Ran, record: Any, name: str) -> None:
+    """Gate and up swapped in one layer; Mixtral's Q and K rows left in the checkpoint's order: llama.cpp
+    loads each, and the logits say so."""
+    r = _result(llama_ran, name)
+    ref = llama_ran.references[name]["reference_written"]
     d = _rel(np.array(r["logits"]), ref, ref)
     record("relative mean |d| logits", f"{d:.4f}")
     assert d > TOL
