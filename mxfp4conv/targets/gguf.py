@@ -27,7 +27,17 @@ from mxfp4conv.files.safetensors import torch_dtype
 from mxfp4conv.model.canonical import Canonical, DenseFP4, FP4Weight, MoELayer, Passthrough, UnitSpec
 from mxfp4conv.sources.gguf import GGUF, KV, VType, mxfp4_row_bytes, nvfp4_row_bytes
 from mxfp4conv.targets.base import Getter, OutTensor, Split, Target, WriterContext
-from mxfp4conv.targets.gguf_arch import ARCHS, LAYER, Arch, expert_prefix, gguf_name, rope_config
+from mxfp4conv.targets.gguf_arch import (
+    ARCHS,
+    Arch,
+    Reshape,
+    expert_prefix,
+    gguf_name,
+    layer_of,
+    rope_config,
+    text_hparams,
+    text_name,
+)
 from mxfp4conv.targets.gguf_vocab import tokenizer_kvs, tokenizer_refusal
 from mxfp4conv.targets.layers import precision_refusal
 
@@ -37,7 +47,8 @@ FILE_TYPE_MXFP4_MOE = 38  # llama_ftype LLAMA_FTYPE_MOSTLY_MXFP4_MOE
 FILE_TYPE_NVFP4 = 39  # LLAMA_FTYPE_MOSTLY_NVFP4 (--keep-nvfp4)
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION
 _PROJ = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-_F32_ALWAYS = ("ffn_gate_inp.weight", "attn_sinks.weight")  # what llama.cpp's converter keeps in F32 beyond 1-D
+# what llama.cpp's converter keeps in F32 beyond 1-D
+_F32_ALWAYS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "attn_sinks.weight", "ssm_conv1d.weight")
 _KV_SCALES = (".k_scale", ".v_scale")
 
 
@@ -63,7 +74,7 @@ def gguf_kvs(src_config: Mapping[str, Any], ctx: WriterContext, *, provenance: b
            KV("general.file_type", VType.UINT32,
               FILE_TYPE_NVFP4 if ctx.target_options.keep_nvfp4 else FILE_TYPE_MXFP4_MOE)]
     out += provenance_kvs(ctx) if provenance else []
-    out += [dataclasses.replace(kv, key=f"{arch.name}.{kv.key}") for kv in arch.hparams(src_config)]
+    out += [dataclasses.replace(kv, key=f"{arch.name}.{kv.key}") for kv in arch.hparams(text_hparams(src_config))]
     return out + tokenizer_kvs(ctx.read_file, src_config)
 
 
@@ -136,13 +147,28 @@ def _vocab_refusal(ctx: WriterContext) -> str | None:
 _QK = re.compile(r"\.self_attn\.([qk])_proj(\.weight|\.bias)?$")
 
 
+def _reshape(spec: UnitSpec, ctx: WriterContext) -> Reshape | None:
+    """What llama.cpp's converter does to this tensor (or FP4 Linear) beyond naming it, None if nothing."""
+    arch = ARCHS[ctx.facts.model_type]
+    if spec.kind == "moe":
+        return None
+    if arch.qk_permute:
+        rows = _qk_rows(spec, ctx)
+        return None if rows is None else Reshape(rows=rows)
+    if arch.reshape is None:
+        return None
+    name = text_name(f"{spec.key}.weight" if spec.kind == "dense" else spec.key)
+    m = layer_of(name)
+    return arch.reshape(name if m is None else m[2], text_hparams(ctx.src_config))
+
+
 def _qk_rows(spec: UnitSpec, ctx: WriterContext) -> torch.Tensor | None:
     """For an architecture llama.cpp runs with interleaved rotary pairs, the row order its converter gives a Q
     or K projection: in each head, row j of the first half then row j of the second (rotate-half -> pairs)."""
     import torch
 
     m = _QK.search(spec.key)
-    if m is None or not ARCHS[ctx.facts.model_type].qk_permute or spec.kind == "moe":
+    if m is None:
         return None
     cfg = ctx.src_config
     heads = int(cfg["num_attention_heads"] if m[1] == "q" else cfg.get("num_key_value_heads", cfg["num_attention_heads"]))
@@ -219,7 +245,11 @@ class GgufTarget(Target):
         arch = ARCHS[mt]
         if ctx.target_options.keep_nvfp4 and (why := _keep_refusal(ctx, arch)):
             return why
-        rope = rope_config(ctx.src_config)["rope_type"]
+        cfg = text_hparams(ctx.src_config)
+        if arch.name == "qwen35moe" and cfg.get("linear_key_head_dim") != cfg.get("linear_value_head_dim"):
+            return (f"config.json: Gated DeltaNet key heads of {cfg.get('linear_key_head_dim')} and value heads of "
+                    f"{cfg.get('linear_value_head_dim')}: llama.cpp's qwen35moe needs them equal")
+        rope = rope_config(cfg)["rope_type"]
         if rope not in ("default", "yarn", None):
             return f"config.json: rope_type {rope!r} is not one this target writes for llama.cpp (default, yarn)"
         for lin in ctx.precision.fp8.values():
@@ -241,6 +271,9 @@ class GgufTarget(Target):
                 return f"{u.key}: fused experts of {ctx.facts.model_type!r} are not converted to GGUF"
             return None
         if u.kind == "dense":
+            if (r := _reshape(u, ctx)) is not None and (r.cols is not None or r.values is not None):
+                return (f"{u.key}: an FP4 Linear llama.cpp's converter reorders by input columns; --to gguf moves "
+                        "FP4 rows only (--to ct or --to quark carry it)")
             if gguf_name(f"{u.key}.weight", arch) is None or (arch.mla and u.key.endswith(".kv_b_proj")):
                 return (f"{u.key}: an FP4 Linear llama.cpp's {arch.name} has no MXFP4 tensor for (MLA uses kv_b_proj "
                         "transposed)" if arch.mla and u.key.endswith(".kv_b_proj") else
@@ -253,12 +286,16 @@ class GgufTarget(Target):
         return None
 
     def _dropped(self, spec: UnitSpec, ctx: WriterContext) -> bool:
-        """What llama.cpp has no tensor for and computes without: an FP8 KV cache's scales (its cache is F16)
-        and DeepSeek-V3's MTP layer (past num_hidden_layers; llama.cpp's converter drops it too)."""
+        """What llama.cpp has no tensor for and computes without: an FP8 KV cache's scales (its cache is F16),
+        DeepSeek-V3's MTP layer (past num_hidden_layers; llama.cpp's converter drops it too) and what the
+        architecture's GGUF leaves out (``Arch.drop``: Qwen3.5's vision tower and MTP block)."""
         if spec.kind == "passthrough" and ctx.precision.kv_cache is not None and spec.key.endswith(_KV_SCALES):
             return True
-        layer = LAYER.match(spec.key)
-        return ARCHS[ctx.facts.model_type].mtp and layer is not None and int(layer[1]) >= ctx.facts.num_layers
+        arch = ARCHS[ctx.facts.model_type]
+        if spec.key.startswith(arch.drop):
+            return True
+        layer = layer_of(spec.key)
+        return arch.mtp and layer is not None and int(layer[1]) >= ctx.facts.num_layers
 
     def _mla(self, spec: UnitSpec, ctx: WriterContext) -> bool:
         return spec.kind == "passthrough" and ARCHS[ctx.facts.model_type].mla and spec.key.endswith(
@@ -283,7 +320,7 @@ class GgufTarget(Target):
 
     def direct_sources(self, spec: UnitSpec, ctx: WriterContext) -> list[str] | None:
         if spec.kind != "passthrough" or self._dropped(spec, ctx) or self._mla(spec, ctx) or (
-                _qk_rows(spec, ctx) is not None):
+                _reshape(spec, ctx) is not None):
             return None
         if self._out_dtype(spec, ctx) == ctx.passthrough_dtypes[spec.key][0]:
             return [spec.key]  # GGML's dims are the torch shape reversed: the same bytes
@@ -320,15 +357,19 @@ class GgufTarget(Target):
                                                           "kv_lora_rank"))
             return [OutTensor(name, dtype, (heads, lora, nope)),
                     OutTensor(name.replace(".attn_k_b.", ".attn_v_b."), dtype, (heads, v, lora))]
-        return [OutTensor(name, self._out_dtype(spec, ctx), shape)]
+        r = _reshape(spec, ctx)
+        if r is not None and r.squeeze:
+            shape = (shape[0], shape[-1])
+        return [OutTensor(name, "F32" if r is not None and r.values is not None else self._out_dtype(spec, ctx), shape)]
 
     def encode(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> list[torch.Tensor]:
         from mxfp4conv.kernels.ggml_native import to_ggml_mxfp4
 
         if self._dropped(spec, ctx):
             return []
-        if (perm := _qk_rows(spec, ctx)) is not None:
-            unit = _rows(unit, perm)
+        r = _reshape(spec, ctx)
+        if r is not None and r.rows is not None:
+            unit = _rows(unit, r.rows)
         if isinstance(unit, MoELayer):
             i = unit.w13.packed.shape[1] // 2
             parts = ((unit.w13, slice(0, i)), (unit.w13, slice(i, 2 * i)), (unit.w2, slice(None)))
@@ -352,12 +393,24 @@ class GgufTarget(Target):
         assert isinstance(unit, Passthrough)
         if self._mla(spec, ctx):
             return _mla_parts(unit.tensor, ctx.src_config)
-        return [unit.tensor.float() if self._out_dtype(spec, ctx) == "F32" else unit.tensor]
+        t = unit.tensor
+        if r is not None:
+            t = t if r.cols is None else t.index_select(1, r.cols)
+            t = t.reshape(t.shape[0], t.shape[-1]) if r.squeeze else t
+            t = t if r.values is None else r.values(t)
+        return [t.float() if self.out_specs(spec, ctx)[0].dtype == "F32" else t]
 
     def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
         got = self._decode(spec, ctx, get)
-        perm = _qk_rows(spec, ctx)
-        return got if perm is None else _rows(got, perm.argsort())
+        r = _reshape(spec, ctx)
+        if r is None:
+            return got
+        if r.values is not None:  # not invertible: proven by ``verify_unit`` against the stated transformation
+            raise ValueError(f"{spec.key}: written transformed; its source values are not recovered from the GGUF")
+        if isinstance(got, Passthrough):
+            t = got.tensor.reshape(ctx.passthrough_dtypes[spec.key][1]) if r.squeeze else got.tensor
+            got = Passthrough(spec.key, t if r.cols is None else t.index_select(1, r.cols.argsort()))
+        return got if r.rows is None else _rows(got, r.rows.argsort())
 
     def _decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
         import torch
@@ -389,12 +442,21 @@ class GgufTarget(Target):
 
         if self._dropped(spec, ctx):
             return []  # nothing written, nothing to compare
+        r = _reshape(spec, ctx)
         if isinstance(want, MoELayer | DenseFP4) and not ctx.target_options.keep_nvfp4:
-            if (perm := _qk_rows(spec, ctx)) is not None:
-                want = _rows(want, perm)
+            if r is not None and r.rows is not None:
+                want = _rows(want, r.rows)
                 assert isinstance(want, DenseFP4)
             return self._verify_mxfp4(want, spec, ctx, get)
-        if _qk_rows(spec, ctx) is not None:
+        if r is not None and isinstance(want, Passthrough):  # the stated moves and transformation, bit for bit
+            name = self.passthrough_name(spec.key, ctx)
+            got, ref = get(name), self.encode(want, spec, ctx)[0]
+            if got.shape != ref.shape or got.dtype != ref.dtype or not torch.equal(got.view(torch.uint8),
+                                                                                   ref.contiguous().view(torch.uint8)):
+                return [{"tensor": name, "message": "values differ from the source's as llama.cpp's converter "
+                                                    "transforms them"}]
+            return []
+        if r is not None:
             return None  # decoded (rows put back) and compared
         if not isinstance(want, Passthrough) or self._mla(spec, ctx) or (
                 self._out_dtype(spec, ctx) == ctx.passthrough_dtypes[spec.key][0]):

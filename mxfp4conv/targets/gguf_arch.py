@@ -6,13 +6,32 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mxfp4conv.sources.gguf import KV, VType
 
-__all__ = ["ARCHS", "LAYER", "Arch", "expert_prefix", "gguf_name", "rope_config"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ARCHS", "LAYER", "Arch", "expert_prefix", "gguf_name", "layer_of", "rope_config", "text_hparams", "text_name"]
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_VL_TEXT = "model.language_model."  # a multimodal release's language model (Qwen3-VL's names)
+
+
+def text_name(name: str) -> str:
+    """A source name as the language model's own (``model.language_model.X`` -> ``model.X``)."""
+    return "model." + name[len(_VL_TEXT):] if name.startswith(_VL_TEXT) else name
+
+
+def text_hparams(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's config (a multimodal release nests it under ``text_config``)."""
+    inner = cfg.get("text_config")
+    return inner if isinstance(inner, Mapping) and "hidden_size" in inner else cfg
+
+
+def layer_of(name: str) -> re.Match[str] | None:
+    return LAYER.match(text_name(name))
 
 
 @dataclass(frozen=True)
@@ -28,6 +47,20 @@ class Arch:
     experts: str = "mlp.experts"  # the routed experts' container after "model.layers.L."
     # rotary pairs interleaved (llama.cpp's NORM rope): Q and K rows permuted from the HF rotate-half order
     qk_permute: bool = False
+    drop: tuple[str, ...] = ()  # prefixes of what the GGUF leaves out (a vision tower, an MTP block)
+    # per tensor (its suffix after "model.layers.L.", or its global name): what llama.cpp's converter does to it
+    reshape: Callable[[str, Mapping[str, Any]], Reshape | None] | None = None
+
+
+@dataclass(frozen=True)
+class Reshape:
+    """What becomes of one source tensor in the GGUF: rows and columns reordered and a middle dimension of 1
+    squeezed out (exact moves), or its values transformed in float32 (``values``)."""
+
+    rows: torch.Tensor | None = None  # the source row of each output row
+    cols: torch.Tensor | None = None  # the source column of each output column
+    squeeze: bool = False  # [C, 1, K] -> [C, K]
+    values: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def _u32(k: str, v: Any) -> KV:
@@ -173,6 +206,7 @@ _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight"
 
 def gguf_name(name: str, arch: Arch) -> str | None:
     """The GGUF name of a source tensor (or of an FP4 Linear's ``<module>.weight``), None if llama.cpp has none."""
+    name = text_name(name)
     if name in _GLOBAL:
         return _GLOBAL[name]
     m = LAYER.match(name)
@@ -182,7 +216,7 @@ def gguf_name(name: str, arch: Arch) -> str | None:
 
 
 def expert_prefix(key: str, arch: Arch) -> str | None:
-    m = LAYER.match(key)
+    m = layer_of(key)
     return f"blk.{m[1]}" if m is not None and m[2] == arch.experts else None
 
 
@@ -211,3 +245,84 @@ def _llama(cfg: Mapping[str, Any]) -> list[KV]:
 
 ARCHS["mixtral"] = Arch("llama", {**_NORMS, **_QKVO, "block_sparse_moe.gate.weight": "ffn_gate_inp.weight"}, _llama,
                         experts="block_sparse_moe.experts", qk_permute=True)
+
+
+def _qwen35moe(cfg: Mapping[str, Any]) -> list[KV]:
+    # Qwen3.5-MoE (Qwen3-Next's hybrid): Gated DeltaNet layers (llama.cpp's ssm.* keys) and gated full attention
+    # every ``full_attention_interval``-th layer, partial rotary in interleaved MRoPE sections, a shared expert
+    rope = rope_config(cfg)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    sections = [int(x) for x in rope.get("mrope_section", [11, 11, 10])][:4]
+    interval = int(cfg.get("full_attention_interval", 4))
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                       for i in range(n)]
+    return [*_common(cfg), _u32("expert_feed_forward_length", cfg["moe_intermediate_size"]),
+            _u32("expert_shared_feed_forward_length", cfg["shared_expert_intermediate_size"]), *_head_dim(cfg),
+            _u32("rope.dimension_count", int(head_dim * partial)),
+            KV("rope.dimension_sections", VType.ARRAY, sections + [0] * (4 - len(sections)), VType.INT32),
+            _u32("ssm.conv_kernel", cfg["linear_conv_kernel_dim"]), _u32("ssm.state_size", cfg["linear_key_head_dim"]),
+            _u32("ssm.group_count", cfg["linear_num_key_heads"]),
+            _u32("ssm.time_step_rank", cfg["linear_num_value_heads"]),
+            _u32("ssm.inner_size", cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"]),
+            KV("attention.recurrent_layers", VType.ARRAY, [t == "linear_attention" for t in types], VType.BOOL),
+            _u32("full_attention_interval", interval)]
+
+
+def _v_tiled(cfg: Mapping[str, Any], head: int, offset: int = 0, before: int = 0) -> torch.Tensor:
+    """Gated DeltaNet's value heads from grouped by key head (``[K0: v0..v(r-1), K1: ...]``, the checkpoint's)
+    to tiled (``[v0 of K0, v0 of K1, ..., v1 of K0, ...]``, what ggml's broadcast expects), ``head`` rows per
+    value head, after ``before`` rows kept in place."""
+    import torch
+
+    nk, nv = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
+    v = torch.arange(nv * head).reshape(nk, nv // nk, head).transpose(0, 1).reshape(-1)
+    return torch.cat([torch.arange(before), v + before + offset])
+
+
+def _plus_one(t: torch.Tensor) -> torch.Tensor:
+    return t.float() + 1.0  # Qwen3.5's RMSNorm scales by (1 + weight); llama.cpp's by its weight
+
+
+def _neg_exp(t: torch.Tensor) -> torch.Tensor:
+    return -t.float().exp()  # the decay A = -exp(A_log), which llama.cpp reads as ssm_a
+
+
+def _qwen35_reshape(suffix: str, cfg: Mapping[str, Any]) -> Reshape | None:
+    if suffix.endswith("norm.weight") and suffix != "linear_attn.norm.weight":  # that one is a plain gated norm
+        return Reshape(values=_plus_one)
+    if not suffix.startswith("linear_attn."):
+        return None
+    tiled = int(cfg["linear_num_key_heads"]) != int(cfg["linear_num_value_heads"])
+    qk = 2 * int(cfg["linear_num_key_heads"]) * int(cfg["linear_key_head_dim"])
+    hv = int(cfg["linear_value_head_dim"])
+    part = suffix[len("linear_attn."):]
+    rows = None
+    if tiled and part in ("in_proj_qkv.weight", "conv1d.weight"):
+        rows = _v_tiled(cfg, hv, before=qk)
+    elif tiled and part == "in_proj_z.weight":
+        rows = _v_tiled(cfg, hv)
+    elif tiled and part in ("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias"):
+        rows = _v_tiled(cfg, 1)
+    cols = _v_tiled(cfg, hv) if tiled and part == "out_proj.weight" else None
+    squeeze = part == "conv1d.weight"  # llama.cpp's ssm_conv1d is {K, C}
+    values = _neg_exp if part == "A_log" else None
+    return None if rows is None and cols is None and not squeeze and values is None else Reshape(rows, cols, squeeze,
+                                                                                                  values)
+
+
+_QWEN35 = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+           **_QKVO, "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+           "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
+           "linear_attn.in_proj_b.weight": "ssm_beta.weight", "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+           "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.A_log": "ssm_a",
+           "linear_attn.dt_bias": "ssm_dt.bias", "linear_attn.norm.weight": "ssm_norm.weight",
+           "linear_attn.out_proj.weight": "ssm_out.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+           **{f"mlp.shared_expert.{hf}_proj.weight": f"ffn_{hf}_shexp.weight" for hf in ("gate", "up", "down")},
+           "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight"}
+# the text model of Qwen3.5-MoE: a multimodal release's vision tower goes to llama.cpp's separate mmproj GGUF, which
+# this target does not write, and its MTP block is left out as llama.cpp's converter leaves it with --no-mtp
+ARCHS["qwen3_5_moe"] = Arch("qwen35moe", _QWEN35, _qwen35moe, drop=("model.visual.", "mtp.", "model.mtp."),
+                            reshape=_qwen35_reshape)
+ARCHS["qwen3_5_moe_text"] = ARCHS["qwen3_5_moe"]

@@ -37,7 +37,7 @@ EXPECTED = {
     "autoround-mxfp4-qwen3-moe": CONVERTS,
     "modelopt-nvfp4-qwen3-moe": CONVERTS,
     "modelopt-nvfp4-minimax-m2": "not 'minimax_m2'",
-    "modelopt-nvfp4-qwen35-moe": "not 'qwen3_5_moe'",
+    "modelopt-nvfp4-qwen35-moe": CONVERTS,
     "llmcompressor-mxfp4-granitemoe": CONVERTS,
 }
 

@@ -27,6 +27,8 @@ MARK = "MXFP4CONV-LLAMA-RESULT"  # llama_run.MARK
 NEGATIVE = "qwen3_moe-ct-mxfp4--gate-up-swapped"
 NEGATIVE_QK = "mixtral-ct-mxfp4--qk-unpermuted"
 SHARDED = "qwen3_moe-ct-mxfp4--split"
+NEGATIVE_NORMS = "qwen3_5_moe-ct-mxfp4--norms-unshifted"
+NEGATIVE_V_HEADS = "qwen3_5_moe-ct-mxfp4--v-heads-grouped"
 
 
 def llama_python() -> str | None:
@@ -90,6 +92,13 @@ def llama_ran(tmp_path_factory: pytest.TempPathFactory) -> Ran:
                              int(cfg["num_key_value_heads"]))
         todo.append({**C.expectations(mixtral), "name": NEGATIVE_QK, "model": str(neg / "model.gguf")})
         ran.references[NEGATIVE_QK] = ran.references[mixtral.name]
+    qwen35 = ran.cases.get("qwen3_5_moe-ct-mxfp4")
+    if qwen35 is not None:
+        cfg = json.loads((qwen35.src / "config.json").read_text())
+        for name, neg in ((NEGATIVE_NORMS, C.unshift_norms(qwen35.dst, root / "out" / NEGATIVE_NORMS)),
+                          (NEGATIVE_V_HEADS, C.group_v_heads(qwen35.dst, root / "out" / NEGATIVE_V_HEADS, cfg))):
+            todo.append({**C.expectations(qwen35), "name": name, "model": str(neg / "model.gguf")})
+            ran.references[name] = ran.references[qwen35.name]
     base = ran.cases.get("qwen3_moe-ct-mxfp4")
     if base is not None:
         neg = C.swap_gate_up(base.dst, root / "out" / NEGATIVE)

@@ -126,7 +126,9 @@ def sources(root: Path) -> list[Case]:
     MTP layer; NVIDIA's NVFP4 with an FP8 KV cache and AMD's Quark MXFP4), and GLM-4.5's llm-compressor NVFP4
     replica (partial rotary, attention biases, sigmoid routing, a leading dense layer, a shared expert), and
     GraniteMoE written by llm-compressor (MXFP4 attention, llama.cpp's interleaved rotary pairs, multipliers),
-    and Mixtral MXFP4 / NVFP4 (llama.cpp's ``llama`` with experts: interleaved rotary pairs, ``w1/w3/w2``)."""
+    and Mixtral MXFP4 / NVFP4 (llama.cpp's ``llama`` with experts: interleaved rotary pairs, ``w1/w3/w2``),
+    and Qwen3.5-MoE in every input layout (llama.cpp's ``qwen35moe``: a Gated DeltaNet layer with two value
+    heads per key head, a gated full-attention layer, (1 + weight) RMSNorms, a shared expert)."""
     from tests.replicas import deepseek, granitemoe
     from tests.replicas.ct_families import autoround_mxfp4, glm45
     from tests.serving.serving_sources import build_moe
@@ -147,6 +149,9 @@ def sources(root: Path) -> list[Case]:
     mixtral = build_moe("mixtral", root / "mixtral", seed=2)
     for layout in ("ct-mxfp4", "ct-nvfp4"):
         out[f"mixtral-{layout}"] = (mixtral.paths[layout], "mixtral")
+    qwen35 = build_moe("qwen3_5_moe_text", root / "qwen35", seed=4)
+    for layout in ("ct-mxfp4", "ct-nvfp4", "modelopt-nvfp4"):
+        out[f"qwen3_5_moe-{layout}"] = (qwen35.paths[layout], "qwen3_5_moe_text")
     cases = []
     for name, (path, mt) in out.items():
         add_bpe_tokenizer(path, int(json.loads((path / "config.json").read_text())["vocab_size"]))
@@ -283,6 +288,58 @@ def unpermute_qk(dst: Path, out: Path, heads: int, kv_heads: int) -> Path:
         blob[at] = raw.reshape(n, rows // n // 2, 2, -1).swapaxes(1, 2).reshape(rows, -1).tobytes()
     path.write_bytes(bytes(blob))
     return out
+
+
+def _rewrite(dst: Path, out: Path, change: Any) -> Path:
+    """A copy of a GGUF output with ``change(name, array)`` applied to tensors in place (same type and size)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    shutil.copytree(dst, out)
+    path = out / "model.gguf"
+    blob = bytearray(path.read_bytes())
+    for t in GGUFReader(str(path)).tensors:
+        data = np.array(t.data)  # the reader gives BF16 as bytes: as 16-bit elements, so columns can move
+        got = change(t.name, data.view(np.uint16) if t.tensor_type == GGMLQuantizationType.BF16 else data)
+        if got is not None:
+            raw = np.ascontiguousarray(got).tobytes()
+            assert len(raw) == int(t.n_bytes), t.name
+            blob[int(t.data_offset):int(t.data_offset) + len(raw)] = raw
+    path.write_bytes(bytes(blob))
+    return out
+
+
+def unshift_norms(dst: Path, out: Path) -> Path:
+    """Qwen3.5's (1 + weight) RMSNorms written as their checkpoint weights (1 not added): a negative control."""
+    def change(name: str, a: np.ndarray) -> np.ndarray | None:
+        return a - 1 if name.endswith("norm.weight") and ".ssm_norm." not in name else None
+
+    return _rewrite(dst, out, change)
+
+
+def group_v_heads(dst: Path, out: Path, cfg: dict[str, Any]) -> Path:
+    """Qwen3.5's Gated DeltaNet value heads put back in the checkpoint's order (grouped by key head, not the
+    tiled order llama.cpp's converter gives them): a negative control. Moves rows (columns of ssm_out)."""
+    nk, nv, hd = (int(cfg[k]) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_value_head_dim"))
+    r = nv // nk
+
+    def grouped(n_head: int) -> np.ndarray:  # grouped[(k * r + j) * n + d] = tiled[(j * nk + k) * n + d]
+        return np.array([(j * nk + k) * n_head + d for k in range(nk) for j in range(r) for d in range(n_head)])
+
+    qk = 2 * nk * int(cfg["linear_key_head_dim"])
+
+    def change(name: str, a: np.ndarray) -> np.ndarray | None:
+        part = name.split(".", 2)[-1] if name.startswith("blk.") else ""
+        if part in ("attn_qkv.weight", "ssm_conv1d.weight"):
+            return np.concatenate([a[:qk], a[qk:][grouped(hd)]])
+        if part == "attn_gate.weight":
+            return a[grouped(hd)]
+        if part in ("ssm_beta.weight", "ssm_alpha.weight", "ssm_a", "ssm_dt.bias"):
+            return a[grouped(1)]
+        if part == "ssm_out.weight":
+            return a[:, grouped(hd)]
+        return None
+
+    return _rewrite(dst, out, change)
 
 
 def expectations(case: Case) -> dict[str, Any]:

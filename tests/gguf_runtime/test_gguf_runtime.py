@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from tests.gguf_runtime import gguf_cases as C
-from tests.gguf_runtime.conftest import NEGATIVE, NEGATIVE_QK, SHARDED, Ran
+from tests.gguf_runtime.conftest import NEGATIVE, NEGATIVE_NORMS, NEGATIVE_QK, NEGATIVE_V_HEADS, SHARDED, Ran
 
 pytestmark = pytest.mark.gguf
 
@@ -37,7 +37,8 @@ CASES = ["qwen3_moe-ct-mxfp4", "qwen3_moe-modelopt-nvfp4", "qwen3_moe-ct-nvfp4",
          "qwen3_moe-quark-nvfp4",
          "qwen3_moe-autoround-mxfp4", "gpt_oss", "deepseek_v3-modelopt-nvfp4-r1", "deepseek_v3-quark-mxfp4-r1",
          "qwen3_moe-modelopt-nvfp4-h128", "qwen3_moe-modelopt-nvfp4-h128--keep-nvfp4", "glm4_moe-ct-nvfp4",
-         "granitemoe-ct-mxfp4", "mixtral-ct-mxfp4", "mixtral-ct-nvfp4", SHARDED]
+         "granitemoe-ct-mxfp4", "mixtral-ct-mxfp4", "mixtral-ct-nvfp4", "qwen3_5_moe-ct-mxfp4", "qwen3_5_moe-ct-nvfp4",
+         "qwen3_5_moe-modelopt-nvfp4", SHARDED]
 
 
 def _result(ran: Ran, name: str) -> dict[str, Any]:
@@ -75,10 +76,11 @@ def test_llama_cpp_generates(llama_ran: Ran, name: str) -> None:
     assert r["generated_tokens"] > 0, r
 
 
-@pytest.mark.parametrize("name", [NEGATIVE, NEGATIVE_QK])
+@pytest.mark.parametrize("name", [NEGATIVE, NEGATIVE_QK, NEGATIVE_NORMS, NEGATIVE_V_HEADS])
 def test_the_negative_controls_fail_the_logits_check(llama_ran: Ran, record: Any, name: str) -> None:
-    """Gate and up swapped in one layer; Mixtral's Q and K rows left in the checkpoint's order: llama.cpp
-    loads each, and the logits say so."""
+    """Gate and up swapped in one layer; Mixtral's Q and K rows left in the checkpoint's order; Qwen3.5's
+    RMSNorm weights without the 1 its (1 + weight) norms add, and its Gated DeltaNet value heads left grouped
+    by key head: llama.cpp loads each, and the logits say so."""
     r = _result(llama_ran, name)
     ref = llama_ran.references[name]["reference_written"]
     d = _rel(np.array(r["logits"]), ref, ref)

@@ -35,6 +35,7 @@ from tests.producers.producers_lib import exact_nvfp4_dequantize, hf_load, mx_qu
 _ct_qconfig, _save_sharded = tiny._ct_qconfig, tiny._save_sharded
 
 H, INTER, EXPERTS, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 128, 64, 4, 2, 4, 2, 32, 256
+LIN_K_HEADS, LIN_V_HEADS = 2, 4  # Qwen3.5's Gated DeltaNet: two value heads per key head, as in its releases
 PROMPT_LEN = 24
 # Router-logit gap (k-th vs (k+1)-th expert), relative to the RMS of that layer's router logits, under
 # which bf16 compute may pick the other expert: bf16 keeps 8 significant bits (0.4%), and the hidden
@@ -42,7 +43,8 @@ PROMPT_LEN = 24
 ROUTING_TIE = 0.03
 # the requantized case the forced AVX2 (loader-only) process also loads
 FORCED_NVFP4 = "qwen3_moe-modelopt-nvfp4--quark"
-IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*self_attn.*"]
+IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*self_attn.*", "re:.*linear_attn.*",
+          "re:.*shared_expert.*"]
 
 
 def prompts() -> list[list[int]]:
@@ -64,6 +66,15 @@ def _config(arch: str) -> dict[str, object]:
     if arch == "mixtral":
         return {**common, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                 "intermediate_size": INTER, "num_local_experts": EXPERTS, "sliding_window": None}
+    if arch == "qwen3_5_moe_text":  # one Gated DeltaNet layer, then one gated full-attention layer
+        common.pop("rope_theta")
+        return {**common, "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+                "moe_intermediate_size": INTER, "shared_expert_intermediate_size": INTER, "num_experts": EXPERTS,
+                "layer_types": ["linear_attention", "full_attention"], "full_attention_interval": 2,
+                "linear_num_key_heads": LIN_K_HEADS, "linear_num_value_heads": LIN_V_HEADS,
+                "linear_key_head_dim": HEAD_DIM, "linear_value_head_dim": HEAD_DIM, "linear_conv_kernel_dim": 4,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                    "mrope_section": [2, 1, 1], "mrope_interleaved": True}}
     raise ValueError(arch)
 
 
@@ -98,9 +109,12 @@ def build_moe(arch: str, root: Path, seed: int) -> MoeSource:
         p = f"model.layers.{layer}"
         dense[f"{p}.input_layernorm.weight"] = torch.ones(H)
         dense[f"{p}.post_attention_layernorm.weight"] = torch.ones(H)
-        for name, rows, cols in (("q_proj", HEADS * HEAD_DIM, H), ("k_proj", KV_HEADS * HEAD_DIM, H),
-                                 ("v_proj", KV_HEADS * HEAD_DIM, H), ("o_proj", H, HEADS * HEAD_DIM)):
-            dense[f"{p}.self_attn.{name}.weight"] = rnd(rows, cols, std=0.08)
+        if arch == "qwen3_5_moe_text":
+            dense.update(_qwen35_layer(p, layer, rnd))
+        else:
+            for name, rows, cols in (("q_proj", HEADS * HEAD_DIM, H), ("k_proj", KV_HEADS * HEAD_DIM, H),
+                                     ("v_proj", KV_HEADS * HEAD_DIM, H), ("o_proj", H, HEADS * HEAD_DIM)):
+                dense[f"{p}.self_attn.{name}.weight"] = rnd(rows, cols, std=0.08)
         if arch == "qwen3_moe":
             dense[f"{p}.self_attn.q_norm.weight"] = torch.ones(HEAD_DIM)
             dense[f"{p}.self_attn.k_norm.weight"] = torch.ones(HEAD_DIM)
@@ -110,12 +124,14 @@ def build_moe(arch: str, root: Path, seed: int) -> MoeSource:
             experts[f"{m}.{gate}.weight"] = rnd(INTER, H, std=0.15)
             experts[f"{m}.{up}.weight"] = rnd(INTER, H, std=0.15)
             experts[f"{m}.{down}.weight"] = rnd(H, INTER, std=0.15)
+    if arch == "qwen3_5_moe_text":
+        dense["model.norm.weight"] = rnd(H, std=0.1)
     cfg = _config(arch)
     paths: dict[str, Path] = {}
     for layout in ("ct-mxfp4", "ct-nvfp4", "modelopt-nvfp4"):
         out = root / f"{arch}-{layout}"
         out.mkdir(parents=True)
-        t = {k: v.to(torch.bfloat16) for k, v in dense.items()}
+        t = {k: v if k.endswith(".A_log") else v.to(torch.bfloat16) for k, v in dense.items()}
         for k, w in experts.items():
             m = k.removesuffix(".weight")
             if layout == "ct-mxfp4":
@@ -137,6 +153,36 @@ def build_moe(arch: str, root: Path, seed: int) -> MoeSource:
     return MoeSource(arch, {**dense, **experts}, paths)
 
 
+def _qwen35_layer(p: str, layer: int, rnd: Any) -> dict[str, torch.Tensor]:
+    """One Qwen3.5-MoE layer's tensors besides the routed experts: Gated DeltaNet (layer 0) or gated full
+    attention (q_proj twice as wide: each head's query, then its gate), the shared expert and its gate. Its
+    RMSNorms scale by (1 + weight): their weights are small offsets, which a converter must add 1 to."""
+    t: dict[str, torch.Tensor] = {}
+    if layer == 0:
+        a, kd, vd = f"{p}.linear_attn", LIN_K_HEADS * HEAD_DIM, LIN_V_HEADS * HEAD_DIM
+        t[f"{a}.in_proj_qkv.weight"] = rnd(2 * kd + vd, H, std=0.08)
+        t[f"{a}.in_proj_z.weight"] = rnd(vd, H, std=0.08)
+        t[f"{a}.in_proj_b.weight"] = rnd(LIN_V_HEADS, H, std=0.08)
+        t[f"{a}.in_proj_a.weight"] = rnd(LIN_V_HEADS, H, std=0.08)
+        t[f"{a}.conv1d.weight"] = rnd(2 * kd + vd, 1, 4, std=0.3)
+        t[f"{a}.A_log"] = torch.linspace(0.2, 2.5, LIN_V_HEADS)
+        t[f"{a}.dt_bias"] = rnd(LIN_V_HEADS, std=0.5)
+        t[f"{a}.norm.weight"] = 1.0 + rnd(HEAD_DIM, std=0.1)
+        t[f"{a}.out_proj.weight"] = rnd(H, vd, std=0.08)
+    else:
+        for name, rows, cols in (("q_proj", 2 * HEADS * HEAD_DIM, H), ("k_proj", KV_HEADS * HEAD_DIM, H),
+                                 ("v_proj", KV_HEADS * HEAD_DIM, H), ("o_proj", H, HEADS * HEAD_DIM)):
+            t[f"{p}.self_attn.{name}.weight"] = rnd(rows, cols, std=0.08)
+        t[f"{p}.self_attn.q_norm.weight"] = rnd(HEAD_DIM, std=0.1)
+        t[f"{p}.self_attn.k_norm.weight"] = rnd(HEAD_DIM, std=0.1)
+    for ln in ("input_layernorm", "post_attention_layernorm"):
+        t[f"{p}.{ln}.weight"] = rnd(H, std=0.1)
+    for name, rows, cols in (("gate_proj", INTER, H), ("up_proj", INTER, H), ("down_proj", H, INTER)):
+        t[f"{p}.mlp.shared_expert.{name}.weight"] = rnd(rows, cols, std=0.1)
+    t[f"{p}.mlp.shared_expert_gate.weight"] = rnd(1, H, std=0.1)
+    return t
+
+
 def _tied(experts: dict[str, torch.Tensor], m: str, w: torch.Tensor) -> torch.Tensor | None:
     """The amax of gate and up together for either of them (both producers tie their second-level
     scales), None for down."""
@@ -148,7 +194,8 @@ def _tied(experts: dict[str, torch.Tensor], m: str, w: torch.Tensor) -> torch.Te
 def _modelopt_w4a16(out: Path) -> dict[str, object]:
     """ModelOpt's NVFP4 config (config.json's and hf_quant_config.json), weights only: vLLM's CPU MXFP4
     MoE backend takes W4A16, and the conversion keeps a source's activation scheme."""
-    excl = ["lm_head", "model.layers.*.mlp.gate", "model.layers.*.block_sparse_moe.gate", "model.layers.*.self_attn*"]
+    excl = ["lm_head", "model.layers.*.mlp.gate", "model.layers.*.block_sparse_moe.gate", "model.layers.*.self_attn*",
+            "model.layers.*.linear_attn*", "model.layers.*.mlp.shared_expert*"]
     producer = {"name": "modelopt", "version": "0.47.0"}
     (out / "hf_quant_config.json").write_text(json.dumps({"producer": producer, "quantization": {
         "quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": excl}}, indent=2))

@@ -84,6 +84,40 @@ def _convert(src: Path, dst: Path, *extra: str) -> Result:
     return CliRunner().invoke(cli, ["convert", str(src), str(dst), "--to", "gguf", "--device", "cpu", *extra])
 
 
+def _qwen35(root: Path) -> Path:
+    src = build_moe("qwen3_5_moe_text", root, 1).paths["ct-mxfp4"]
+    return _tokenized(src)
+
+
+def _qwen35_head_dims(root: Path) -> Path:
+    """Gated DeltaNet value heads wider than its key heads (llama.cpp's qwen35moe sizes both from one key)."""
+    src = _qwen35(root)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "linear_value_head_dim": 2 * cfg["linear_key_head_dim"]}))
+    return src
+
+
+def _qwen35_fp4_out_proj(root: Path) -> Path:
+    """A Qwen3.5 MXFP4 source whose Gated DeltaNet ``out_proj`` is MXFP4 too: llama.cpp's converter reorders
+    that Linear's input columns (value heads grouped -> tiled)."""
+    from safetensors.torch import load_file, save_file
+
+    from examples.tiny import quant_mxfp4
+
+    src = _qwen35(root)
+    name = "model.layers.0.linear_attn.out_proj"
+    t = {k: v for f in sorted(src.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    for f in src.glob("model*.safetensors*"):
+        f.unlink()
+    t[f"{name}.weight_packed"], t[f"{name}.weight_scale"] = quant_mxfp4(t.pop(f"{name}.weight").float())
+    save_file(t, str(src / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    q = cfg["quantization_config"]
+    q["ignore"] = [i for i in q["ignore"] if "linear_attn" not in i] + ["re:.*linear_attn.(in_proj|conv1d).*"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    return src
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Src]:
     root = tmp_path_factory.mktemp("gguf-src")
@@ -99,6 +133,8 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Src]:
         "mixtral": _tokenized(build_moe("mixtral", root / "mixtral", 0).paths["ct-mxfp4"]),
         "qwen3-next": _tokenized(ct_families.qwen3_next(root / "qwen3-next").path),
         "fp8-block": _tokenized(deepseek.ct_mixed_nvfp4_fp8block(root / "fp8-block").path),
+        "qwen35-kv-dims": _qwen35_head_dims(root / "qwen35-kv-dims"),
+        "qwen35-fp4-out-proj": _qwen35_fp4_out_proj(root / "qwen35-fp4-out-proj"),
     }
     return {k: Src(p, json.loads((p / "config.json").read_text())) for k, p in paths.items()}
 
@@ -214,6 +250,62 @@ def test_mixtral_is_llama_cpp_s_llama_with_experts(sources: dict[str, Src], tmp_
         t = by[f"blk.0.ffn_{p}_exps.weight"]
         assert t.tensor_type == MXFP4 and _ne(t) == [cols, rows, c["num_local_experts"]]
     assert by["blk.0.ffn_gate_inp.weight"].tensor_type == GGMLQuantizationType.F32
+
+
+def test_qwen35_release_is_llama_cpp_s_qwen35moe_text_model(tmp_path: Path) -> None:
+    """NVIDIA's ModelOpt NVFP4 Qwen3.5-MoE layout (Qwen3-VL names, a vision tower, an MTP block with its BF16
+    ``mtp.fc``) converts to llama.cpp's ``qwen35moe`` text model as its converter writes it with ``--no-mtp``:
+    no vision or MTP tensor; hyper-parameters from ``text_config``; Gated DeltaNet under llama.cpp's names
+    with A = -exp(A_log), conv1d squeezed to {K, C}, the gated norm as it is and every (1 + weight) RMSNorm
+    written with 1 added; the NVFP4 gated attention and experts requantized to MXFP4 (llama.cpp computing
+    with such an output: the runtime tests' Qwen3.5 cases)."""
+    from tests.producers.producers_lib import load_tensors
+    from tests.replicas import BUILDERS
+
+    src = BUILDERS["modelopt-nvfp4-qwen35-moe"](tmp_path / "src").path
+    text = json.loads((src / "config.json").read_text())["text_config"]
+    add_bpe_tokenizer(src, int(text["vocab_size"]))
+    res = _convert(src, tmp_path / "out")
+    assert res.exit_code == EXIT_OK, res.stderr
+    r = _reader(tmp_path / "out")
+    assert _value(r, "general.architecture") == "qwen35moe"
+    want = {"block_count": 4, "embedding_length": text["hidden_size"], "expert_count": text["num_experts"],
+            "expert_shared_feed_forward_length": text["shared_expert_intermediate_size"],
+            "attention.key_length": text["head_dim"], "rope.dimension_count": text["head_dim"] // 4,
+            "rope.dimension_sections": [4, 6, 6, 0], "ssm.conv_kernel": 4, "ssm.state_size": 32,
+            "ssm.group_count": 1, "ssm.time_step_rank": 2, "ssm.inner_size": 64,
+            "attention.recurrent_layers": [True, True, True, False], "full_attention_interval": 4}
+    for key, v in want.items():
+        assert _value(r, f"qwen35moe.{key}") == v, key
+    assert "qwen35moe.nextn_predict_layers" not in r.fields
+    by = {t.name: t for t in r.tensors}
+    assert {n.split(".")[1] for n in by if n.startswith("blk.")} == {"0", "1", "2", "3"}
+    assert not [n for n in by if not n.startswith("blk.") and n not in GLOBAL], "a vision or MTP tensor was written"
+    t = load_tensors(src)
+    lm = "model.language_model.layers"
+
+    def f32(name: str) -> np.ndarray:
+        assert by[name].tensor_type == F32, name
+        return np.asarray(by[name].data).reshape(-1)
+
+    assert np.array_equal(f32("blk.0.ssm_a"), (-t[f"{lm}.0.linear_attn.A_log"].float().exp()).numpy())
+    assert np.array_equal(f32("blk.0.ssm_norm.weight"), t[f"{lm}.0.linear_attn.norm.weight"].float().numpy())
+    assert np.array_equal(f32("blk.0.ssm_dt.bias"), t[f"{lm}.0.linear_attn.dt_bias"].float().numpy())
+    for gg, hf in (("blk.0.attn_norm.weight", f"{lm}.0.input_layernorm.weight"),
+                   ("blk.3.post_attention_norm.weight", f"{lm}.3.post_attention_layernorm.weight"),
+                   ("blk.3.attn_q_norm.weight", f"{lm}.3.self_attn.q_norm.weight"),
+                   ("output_norm.weight", "model.language_model.norm.weight")):
+        assert np.array_equal(f32(gg), (t[hf].float() + 1).numpy()), gg
+    conv = t[f"{lm}.0.linear_attn.conv1d.weight"]
+    assert _ne(by["blk.0.ssm_conv1d.weight"]) == [conv.shape[2], conv.shape[0]]
+    assert np.array_equal(f32("blk.0.ssm_conv1d.weight"), conv.float().reshape(-1).numpy())
+    assert _ne(by["blk.0.ffn_gate_inp_shexp.weight"]) == [text["hidden_size"], 1]
+    assert by["blk.0.attn_qkv.weight"].tensor_type == BF16 and by["blk.0.ssm_out.weight"].tensor_type == BF16
+    assert by["blk.3.attn_q.weight"].tensor_type == MXFP4
+    assert _ne(by["blk.3.attn_q.weight"]) == [text["hidden_size"], 2 * text["num_attention_heads"] * text["head_dim"]]
+    assert by["blk.1.ffn_gate_exps.weight"].tensor_type == MXFP4
+    res = CliRunner().invoke(cli, ["verify", str(src), str(tmp_path / "out")])
+    assert res.exit_code == EXIT_OK, res.stderr
 
 
 # ------------------------------------------------------------------ tensors
@@ -462,7 +554,10 @@ def test_inspect_refuses_gguf_without_a_tokenizer(sources: dict[str, Src]) -> No
     ("mixtral", ["--keep-nvfp4"], ["--keep-nvfp4", "MXFP4"]),
     ("fp8-block", [], ["model.layers.0.self_attn.kv_b_proj", "fp8-block", "FP8"]),
     ("no-tokenizer", [], ["tokenizer.json", "no tokenizer"]),
-], ids=["unknown-architecture", "keep-nvfp4", "keep-nvfp4-mxfp4-source", "fp8-layer", "no-tokenizer"])
+    ("qwen35-kv-dims", [], ["config.json", "Gated DeltaNet", "qwen35moe needs them equal"]),
+    ("qwen35-fp4-out-proj", [], ["model.layers.0.linear_attn.out_proj", "input columns", "--to ct"]),
+], ids=["unknown-architecture", "keep-nvfp4", "keep-nvfp4-mxfp4-source", "fp8-layer", "no-tokenizer",
+        "qwen35-value-heads-wider", "qwen35-fp4-out-proj"])
 def test_refusals_at_planning(sources: dict[str, Src], tmp_path: Path, name: str, extra: list[str],
                               says: list[str]) -> None:
     parent = tmp_path / "out"
