@@ -14,7 +14,6 @@ is llama.cpp's: the architecture's hyper-parameters from config.json, the tokeni
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -144,37 +143,14 @@ def _vocab_refusal(ctx: WriterContext) -> str | None:
     return None
 
 
-_QK = re.compile(r"\.self_attn\.([qk])_proj(\.weight|\.bias)?$")
-
-
 def _reshape(spec: UnitSpec, ctx: WriterContext) -> Reshape | None:
     """What llama.cpp's converter does to this tensor (or FP4 Linear) beyond naming it, None if nothing."""
     arch = ARCHS[ctx.facts.model_type]
-    if spec.kind == "moe":
-        return None
-    if arch.qk_permute:
-        rows = _qk_rows(spec, ctx)
-        return None if rows is None else Reshape(rows=rows)
-    if arch.reshape is None:
+    if spec.kind == "moe" or arch.reshape is None:
         return None
     name = text_name(f"{spec.key}.weight" if spec.kind == "dense" else spec.key)
     m = layer_of(name)
     return arch.reshape(name if m is None else m[2], text_hparams(ctx.src_config))
-
-
-def _qk_rows(spec: UnitSpec, ctx: WriterContext) -> torch.Tensor | None:
-    """For an architecture llama.cpp runs with interleaved rotary pairs, the row order its converter gives a Q
-    or K projection: in each head, row j of the first half then row j of the second (rotate-half -> pairs)."""
-    import torch
-
-    m = _QK.search(spec.key)
-    if m is None:
-        return None
-    cfg = ctx.src_config
-    heads = int(cfg["num_attention_heads"] if m[1] == "q" else cfg.get("num_key_value_heads", cfg["num_attention_heads"]))
-    rows = spec.dims[0] if spec.kind == "dense" else ctx.passthrough_dtypes[spec.key][1][0]
-    half = rows // heads // 2
-    return torch.tensor([h * 2 * half + t * half + j for h in range(heads) for j in range(half) for t in range(2)])
 
 
 def _rows(unit: Canonical, perm: torch.Tensor) -> Canonical:

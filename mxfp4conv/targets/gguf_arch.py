@@ -45,8 +45,6 @@ class Arch:
     mtp: bool = False  # layers past num_hidden_layers are an MTP block llama.cpp's converter drops
     nvfp4_scales: bool = False  # its graph multiplies NVFP4 weights by their per-tensor <name>.scale
     experts: str = "mlp.experts"  # the routed experts' container after "model.layers.L."
-    # rotary pairs interleaved (llama.cpp's NORM rope): Q and K rows permuted from the HF rotate-half order
-    qk_permute: bool = False
     drop: tuple[str, ...] = ()  # prefixes of what the GGUF leaves out (a vision tower, an MTP block)
     # per tensor (its suffix after "model.layers.L.", or its global name): what llama.cpp's converter does to it
     reshape: Callable[[str, Mapping[str, Any]], Reshape | None] | None = None
@@ -220,6 +218,23 @@ def expert_prefix(key: str, arch: Arch) -> str | None:
     return f"blk.{m[1]}" if m is not None and m[2] == arch.experts else None
 
 
+_QK = re.compile(r"^self_attn\.([qk])_proj\.(weight|bias)$")
+
+
+def _rotary_pairs(suffix: str, cfg: Mapping[str, Any]) -> Reshape | None:
+    """For an architecture llama.cpp runs with interleaved rotary pairs (its NORM rope), the row order its
+    converter gives a Q or K projection: in each head, row j of the first half then row j of the second."""
+    import torch
+
+    m = _QK.match(suffix)
+    if m is None:
+        return None
+    heads = int(cfg["num_attention_heads"] if m[1] == "q" else cfg.get("num_key_value_heads", cfg["num_attention_heads"]))
+    half = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) // 2
+    return Reshape(rows=torch.tensor([h * 2 * half + t * half + j for h in range(heads) for j in range(half)
+                                      for t in range(2)]))
+
+
 def _granitemoe(cfg: Mapping[str, Any]) -> list[KV]:
     # llama.cpp's llama-family keys plus Granite's four multipliers; experts use feed_forward_length
     return [*_common(cfg), _u32("feed_forward_length", cfg["intermediate_size"]),
@@ -232,7 +247,7 @@ def _granitemoe(cfg: Mapping[str, Any]) -> list[KV]:
 
 
 ARCHS["granitemoe"] = Arch("granitemoe", {**_NORMS, **_QKVO, "block_sparse_moe.router.layer.weight": "ffn_gate_inp.weight"},
-                           _granitemoe, experts="block_sparse_moe.experts", qk_permute=True)
+                           _granitemoe, experts="block_sparse_moe.experts", reshape=_rotary_pairs)
 
 
 def _llama(cfg: Mapping[str, Any]) -> list[KV]:
@@ -244,7 +259,7 @@ def _llama(cfg: Mapping[str, Any]) -> list[KV]:
 
 
 ARCHS["mixtral"] = Arch("llama", {**_NORMS, **_QKVO, "block_sparse_moe.gate.weight": "ffn_gate_inp.weight"}, _llama,
-                        experts="block_sparse_moe.experts", qk_permute=True)
+                        experts="block_sparse_moe.experts", reshape=_rotary_pairs)
 
 
 def _qwen35moe(cfg: Mapping[str, Any]) -> list[KV]:
