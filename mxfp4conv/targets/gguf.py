@@ -222,9 +222,9 @@ class GgufTarget(Target):
         if ctx.target_options.keep_nvfp4 and (why := _keep_refusal(ctx, arch)):
             return why
         cfg = text_hparams(ctx.src_config)
-        if arch.name == "qwen35moe" and cfg.get("linear_key_head_dim") != cfg.get("linear_value_head_dim"):
+        if arch.name in ("qwen35moe", "qwen3next") and cfg.get("linear_key_head_dim") != cfg.get("linear_value_head_dim"):
             return (f"config.json: Gated DeltaNet key heads of {cfg.get('linear_key_head_dim')} and value heads of "
-                    f"{cfg.get('linear_value_head_dim')}: llama.cpp's qwen35moe needs them equal")
+                    f"{cfg.get('linear_value_head_dim')}: llama.cpp's {arch.name} needs them equal")
         rope = rope_config(cfg)["rope_type"]
         if rope not in ("default", "yarn", None):
             return f"config.json: rope_type {rope!r} is not one this target writes for llama.cpp (default, yarn)"
@@ -247,9 +247,9 @@ class GgufTarget(Target):
                 return f"{u.key}: fused experts of {ctx.facts.model_type!r} are not converted to GGUF"
             return None
         if u.kind == "dense":
-            if (r := _reshape(u, ctx)) is not None and (r.cols is not None or r.values is not None):
-                return (f"{u.key}: an FP4 Linear llama.cpp's converter reorders by input columns; --to gguf moves "
-                        "FP4 rows only (--to ct or --to quark carry it)")
+            if (r := _reshape(u, ctx)) is not None and (r.cols is not None or r.values is not None or r.parts):
+                return (f"{u.key}: an FP4 Linear llama.cpp's converter splits or reorders by input columns; --to "
+                        "gguf moves FP4 rows only (--to ct or --to quark carry it)")
             if gguf_name(f"{u.key}.weight", arch) is None or (arch.mla and u.key.endswith(".kv_b_proj")):
                 return (f"{u.key}: an FP4 Linear llama.cpp's {arch.name} has no MXFP4 tensor for (MLA uses kv_b_proj "
                         "transposed)" if arch.mla and u.key.endswith(".kv_b_proj") else
@@ -334,9 +334,11 @@ class GgufTarget(Target):
             return [OutTensor(name, dtype, (heads, lora, nope)),
                     OutTensor(name.replace(".attn_k_b.", ".attn_v_b."), dtype, (heads, v, lora))]
         r = _reshape(spec, ctx)
-        if r is not None and r.squeeze:
-            shape = (shape[0], shape[-1])
-        return [OutTensor(name, "F32" if r is not None and r.values is not None else self._out_dtype(spec, ctx), shape)]
+        if r is None:
+            return [OutTensor(name, self._out_dtype(spec, ctx), shape)]
+        names = [f"{name.rsplit('.', 2)[0]}.{part}" for part, _ in r.parts] if r.parts else [name]
+        dtype = "F32" if r.values is not None else self._out_dtype(spec, ctx)
+        return [OutTensor(n, dtype, s) for n, s in zip(names, r.shapes(shape), strict=True)]
 
     def encode(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> list[torch.Tensor]:
         from mxfp4conv.kernels.ggml_native import to_ggml_mxfp4
@@ -344,7 +346,7 @@ class GgufTarget(Target):
         if self._dropped(spec, ctx):
             return []
         r = _reshape(spec, ctx)
-        if r is not None and r.rows is not None:
+        if r is not None and r.rows is not None and not isinstance(unit, Passthrough):
             unit = _rows(unit, r.rows)
         if isinstance(unit, MoELayer):
             i = unit.w13.packed.shape[1] // 2
@@ -369,12 +371,8 @@ class GgufTarget(Target):
         assert isinstance(unit, Passthrough)
         if self._mla(spec, ctx):
             return _mla_parts(unit.tensor, ctx.src_config)
-        t = unit.tensor
-        if r is not None:
-            t = t if r.cols is None else t.index_select(1, r.cols)
-            t = t.reshape(t.shape[0], t.shape[-1]) if r.squeeze else t
-            t = t if r.values is None else r.values(t)
-        return [t.float() if self.out_specs(spec, ctx)[0].dtype == "F32" else t]
+        wide = self.out_specs(spec, ctx)[0].dtype == "F32"
+        return [t.float() if wide else t for t in ([unit.tensor] if r is None else r.apply(unit.tensor))]
 
     def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
         got = self._decode(spec, ctx, get)
@@ -383,9 +381,10 @@ class GgufTarget(Target):
             return got
         if r.values is not None:  # not invertible: proven by ``verify_unit`` against the stated transformation
             raise ValueError(f"{spec.key}: written transformed; its source values are not recovered from the GGUF")
-        if isinstance(got, Passthrough):
-            t = got.tensor.reshape(ctx.passthrough_dtypes[spec.key][1]) if r.squeeze else got.tensor
-            got = Passthrough(spec.key, t if r.cols is None else t.index_select(1, r.cols.argsort()))
+        if spec.kind == "passthrough":
+            dtype, shape = ctx.passthrough_dtypes[spec.key]
+            pieces = [get(o.name) for o in self.out_specs(spec, ctx)]
+            return Passthrough(spec.key, r.undo(pieces, shape).to(torch_dtype(dtype)))
         return got if r.rows is None else _rows(got, r.rows.argsort())
 
     def _decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
@@ -425,13 +424,14 @@ class GgufTarget(Target):
                 assert isinstance(want, DenseFP4)
             return self._verify_mxfp4(want, spec, ctx, get)
         if r is not None and isinstance(want, Passthrough):  # the stated moves and transformation, bit for bit
-            name = self.passthrough_name(spec.key, ctx)
-            got, ref = get(name), self.encode(want, spec, ctx)[0]
-            if got.shape != ref.shape or got.dtype != ref.dtype or not torch.equal(got.view(torch.uint8),
-                                                                                   ref.contiguous().view(torch.uint8)):
-                return [{"tensor": name, "message": "values differ from the source's as llama.cpp's converter "
-                                                    "transforms them"}]
-            return []
+            found = []
+            for o, ref in zip(self.out_specs(spec, ctx), self.encode(want, spec, ctx), strict=True):
+                got = get(o.name)
+                if got.shape != ref.shape or got.dtype != ref.dtype or not torch.equal(
+                        got.view(torch.uint8), ref.contiguous().view(torch.uint8)):
+                    found.append({"tensor": o.name, "message": "values differ from the source's as llama.cpp's "
+                                                               "converter transforms them"})
+            return found
         if r is not None:
             return None  # decoded (rows put back) and compared
         if not isinstance(want, Passthrough) or self._mla(spec, ctx) or (

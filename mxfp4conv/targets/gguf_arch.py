@@ -52,13 +52,37 @@ class Arch:
 
 @dataclass(frozen=True)
 class Reshape:
-    """What becomes of one source tensor in the GGUF: rows and columns reordered and a middle dimension of 1
-    squeezed out (exact moves), or its values transformed in float32 (``values``)."""
+    """What becomes of one source tensor in the GGUF: rows and columns reordered, a middle dimension of 1
+    squeezed out and the rows split into several GGUF tensors (exact moves), or its values transformed in
+    float32 (``values``). An FP4 Linear takes ``rows`` only (its blocks run along the columns)."""
 
     rows: torch.Tensor | None = None  # the source row of each output row
     cols: torch.Tensor | None = None  # the source column of each output column
     squeeze: bool = False  # [C, 1, K] -> [C, K]
     values: Callable[[torch.Tensor], torch.Tensor] | None = None
+    parts: tuple[tuple[str, int], ...] = ()  # split by rows: (GGUF suffix after "blk.L.", rows) each
+
+    def shapes(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+        shape = (shape[0], shape[-1]) if self.squeeze else tuple(shape)
+        return [(n, *shape[1:]) for _, n in self.parts] if self.parts else [shape]
+
+    def apply(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """A source tensor -> the tensors written (before any widening to F32)."""
+        t = t if self.rows is None else t.index_select(0, self.rows)
+        t = t if self.cols is None else t.index_select(1, self.cols)
+        t = t.reshape(t.shape[0], t.shape[-1]) if self.squeeze else t
+        t = t if self.values is None else self.values(t)
+        return [x.contiguous() for x in t.split([n for _, n in self.parts])] if self.parts else [t]
+
+    def undo(self, pieces: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+        """The source tensor back from what ``apply`` wrote (moves only: ``values`` is not inverted)."""
+        import torch
+
+        assert self.values is None
+        t = torch.cat(pieces) if self.parts else pieces[0]
+        t = t.reshape(shape) if self.squeeze else t
+        t = t if self.cols is None else t.index_select(1, self.cols.argsort())
+        return t if self.rows is None else t.index_select(0, self.rows.argsort())
 
 
 def _u32(k: str, v: Any) -> KV:
@@ -262,13 +286,12 @@ ARCHS["mixtral"] = Arch("llama", {**_NORMS, **_QKVO, "block_sparse_moe.gate.weig
                         experts="block_sparse_moe.experts", reshape=_rotary_pairs)
 
 
-def _qwen35moe(cfg: Mapping[str, Any]) -> list[KV]:
-    # Qwen3.5-MoE (Qwen3-Next's hybrid): Gated DeltaNet layers (llama.cpp's ssm.* keys) and gated full attention
-    # every ``full_attention_interval``-th layer, partial rotary in interleaved MRoPE sections, a shared expert
+def _qwen3next(cfg: Mapping[str, Any]) -> list[KV]:
+    # Qwen3-Next: Gated DeltaNet layers (llama.cpp's ssm.* keys) and gated full attention every
+    # ``full_attention_interval``-th layer, partial rotary, a shared expert
     rope = rope_config(cfg)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
-    sections = [int(x) for x in rope.get("mrope_section", [11, 11, 10])][:4]
     interval = int(cfg.get("full_attention_interval", 4))
     n = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
@@ -276,13 +299,19 @@ def _qwen35moe(cfg: Mapping[str, Any]) -> list[KV]:
     return [*_common(cfg), _u32("expert_feed_forward_length", cfg["moe_intermediate_size"]),
             _u32("expert_shared_feed_forward_length", cfg["shared_expert_intermediate_size"]), *_head_dim(cfg),
             _u32("rope.dimension_count", int(head_dim * partial)),
-            KV("rope.dimension_sections", VType.ARRAY, sections + [0] * (4 - len(sections)), VType.INT32),
             _u32("ssm.conv_kernel", cfg["linear_conv_kernel_dim"]), _u32("ssm.state_size", cfg["linear_key_head_dim"]),
             _u32("ssm.group_count", cfg["linear_num_key_heads"]),
             _u32("ssm.time_step_rank", cfg["linear_num_value_heads"]),
             _u32("ssm.inner_size", cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"]),
             KV("attention.recurrent_layers", VType.ARRAY, [t == "linear_attention" for t in types], VType.BOOL),
             _u32("full_attention_interval", interval)]
+
+
+def _qwen35moe(cfg: Mapping[str, Any]) -> list[KV]:
+    # Qwen3-Next's keys, its rotary in interleaved MRoPE sections (all equal for text: one position per token)
+    sections = [int(x) for x in rope_config(cfg).get("mrope_section", [11, 11, 10])][:4]
+    return [*_qwen3next(cfg),
+            KV("rope.dimension_sections", VType.ARRAY, sections + [0] * (4 - len(sections)), VType.INT32)]
 
 
 def _v_tiled(cfg: Mapping[str, Any], head: int, offset: int = 0, before: int = 0) -> torch.Tensor:
@@ -302,6 +331,29 @@ def _plus_one(t: torch.Tensor) -> torch.Tensor:
 
 def _neg_exp(t: torch.Tensor) -> torch.Tensor:
     return -t.float().exp()  # the decay A = -exp(A_log), which llama.cpp reads as ssm_a
+
+
+def _qkvz_split(cfg: Mapping[str, Any]) -> Reshape:
+    """Qwen3-Next's ``in_proj_qkvz`` (per key head: q, k, its value heads' v, their z) as llama.cpp's converter
+    writes it: every head's q, then every k, every v (``attn_qkv``), and every z (``attn_gate``)."""
+    import torch
+
+    nk, hk = int(cfg["linear_num_key_heads"]), int(cfg["linear_key_head_dim"])
+    vz = int(cfg["linear_num_value_heads"]) // nk * int(cfg["linear_value_head_dim"])
+    sizes, per = (hk, hk, vz, vz), 2 * hk + 2 * vz
+    at = [sum(sizes[:i]) for i in range(4)]
+    rows = torch.cat([torch.arange(n) + h * per + a for a, n in zip(at, sizes, strict=True) for h in range(nk)])
+    return Reshape(rows=rows, parts=(("attn_qkv.weight", nk * (2 * hk + vz)), ("attn_gate.weight", nk * vz)))
+
+
+def _qwen3next_reshape(suffix: str, cfg: Mapping[str, Any]) -> Reshape | None:
+    if suffix.endswith("norm.weight") and suffix != "linear_attn.norm.weight":  # that one is a plain gated norm
+        return Reshape(values=_plus_one)
+    if suffix == "linear_attn.in_proj_qkvz.weight":
+        return _qkvz_split(cfg)
+    if suffix == "linear_attn.A_log":
+        return Reshape(values=_neg_exp)
+    return Reshape(squeeze=True) if suffix == "linear_attn.conv1d.weight" else None
 
 
 def _qwen35_reshape(suffix: str, cfg: Mapping[str, Any]) -> Reshape | None:
@@ -341,3 +393,8 @@ _QWEN35 = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layerno
 ARCHS["qwen3_5_moe"] = Arch("qwen35moe", _QWEN35, _qwen35moe, drop=("model.visual.", "mtp.", "model.mtp."),
                             reshape=_qwen35_reshape)
 ARCHS["qwen3_5_moe_text"] = ARCHS["qwen3_5_moe"]
+# Qwen3-Next: Qwen3.5's names, its fused projections as its llama.cpp converter writes them (in_proj_qkvz split
+# into attn_qkv / attn_gate, in_proj_ba as it is) and value heads in the checkpoint's order; its MTP block left out
+_QWEN3NEXT = {**{k: v for k, v in _QWEN35.items() if not k.startswith("linear_attn.in_proj_")},
+              "linear_attn.in_proj_qkvz.weight": "attn_qkv.weight", "linear_attn.in_proj_ba.weight": "ssm_ba.weight"}
+ARCHS["qwen3_next"] = Arch("qwen3next", _QWEN3NEXT, _qwen3next, drop=("mtp.", "model.mtp."), reshape=_qwen3next_reshape)

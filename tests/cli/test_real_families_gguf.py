@@ -27,7 +27,7 @@ EXPECTED = {
     "modelopt-nvfp4-deepseek-v4": "not 'deepseek_v4'",
     "modelopt-nvfp4-deepseek-v4-two-configs": "not 'deepseek_v4'",
     "deepseek-v4-native-mxfp4": "not 'deepseek_v4'",
-    "ct-nvfp4-qwen3-next": "not 'qwen3_next'",
+    "ct-nvfp4-qwen3-next": CONVERTS,
     "ct-nvfp4-qwen3-vl-moe": "not 'qwen3_vl_moe'",
     "ct-nvfp4-llama4": "not 'llama4'",
     "ct-nvfp4-glm45": CONVERTS,

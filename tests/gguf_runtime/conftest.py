@@ -29,6 +29,7 @@ NEGATIVE_QK = "mixtral-ct-mxfp4--qk-unpermuted"
 SHARDED = "qwen3_moe-ct-mxfp4--split"
 NEGATIVE_NORMS = "qwen3_5_moe-ct-mxfp4--norms-unshifted"
 NEGATIVE_V_HEADS = "qwen3_5_moe-ct-mxfp4--v-heads-grouped"
+NEGATIVE_QKVZ = "qwen3_next-ct-mxfp4--qkvz-unsplit"
 
 
 def llama_python() -> str | None:
@@ -99,6 +100,12 @@ def llama_ran(tmp_path_factory: pytest.TempPathFactory) -> Ran:
                           (NEGATIVE_V_HEADS, C.group_v_heads(qwen35.dst, root / "out" / NEGATIVE_V_HEADS, cfg))):
             todo.append({**C.expectations(qwen35), "name": name, "model": str(neg / "model.gguf")})
             ran.references[name] = ran.references[qwen35.name]
+    qwen3_next = ran.cases.get("qwen3_next-ct-mxfp4")
+    if qwen3_next is not None:
+        cfg = json.loads((qwen3_next.src / "config.json").read_text())
+        neg = C.unsplit_qkvz(qwen3_next.dst, root / "out" / NEGATIVE_QKVZ, cfg)
+        todo.append({**C.expectations(qwen3_next), "name": NEGATIVE_QKVZ, "model": str(neg / "model.gguf")})
+        ran.references[NEGATIVE_QKVZ] = ran.references[qwen3_next.name]
     base = ran.cases.get("qwen3_moe-ct-mxfp4")
     if base is not None:
         neg = C.swap_gate_up(base.dst, root / "out" / NEGATIVE)

@@ -128,7 +128,8 @@ def sources(root: Path) -> list[Case]:
     GraniteMoE written by llm-compressor (MXFP4 attention, llama.cpp's interleaved rotary pairs, multipliers),
     and Mixtral MXFP4 / NVFP4 (llama.cpp's ``llama`` with experts: interleaved rotary pairs, ``w1/w3/w2``),
     and Qwen3.5-MoE in every input layout (llama.cpp's ``qwen35moe``: a Gated DeltaNet layer with two value
-    heads per key head, a gated full-attention layer, (1 + weight) RMSNorms, a shared expert)."""
+    heads per key head, a gated full-attention layer, (1 + weight) RMSNorms, a shared expert) and Qwen3-Next
+    (llama.cpp's ``qwen3next``: the same with its fused DeltaNet projections)."""
     from tests.replicas import deepseek, granitemoe
     from tests.replicas.ct_families import autoround_mxfp4, glm45
     from tests.serving.serving_sources import build_moe
@@ -152,6 +153,9 @@ def sources(root: Path) -> list[Case]:
     qwen35 = build_moe("qwen3_5_moe_text", root / "qwen35", seed=4)
     for layout in ("ct-mxfp4", "ct-nvfp4", "modelopt-nvfp4"):
         out[f"qwen3_5_moe-{layout}"] = (qwen35.paths[layout], "qwen3_5_moe_text")
+    qwen3_next = build_moe("qwen3_next", root / "qwen3-next", seed=5)
+    for layout in ("ct-mxfp4", "modelopt-nvfp4"):
+        out[f"qwen3_next-{layout}"] = (qwen3_next.paths[layout], "qwen3_next")
     cases = []
     for name, (path, mt) in out.items():
         add_bpe_tokenizer(path, int(json.loads((path / "config.json").read_text())["vocab_size"]))
@@ -337,6 +341,32 @@ def group_v_heads(dst: Path, out: Path, cfg: dict[str, Any]) -> Path:
             return a[grouped(1)]
         if part == "ssm_out.weight":
             return a[:, grouped(hd)]
+        return None
+
+    return _rewrite(dst, out, change)
+
+
+def unsplit_qkvz(dst: Path, out: Path, cfg: dict[str, Any]) -> Path:
+    """Qwen3-Next's ``in_proj_qkvz`` rows in the checkpoint's order (per key head: q, k, v, z), cut where
+    llama.cpp's ``attn_qkv`` / ``attn_gate`` split: the projection not regrouped, a negative control."""
+    from gguf import GGUFReader
+
+    nk, hk = int(cfg["linear_num_key_heads"]), int(cfg["linear_key_head_dim"])
+    vz = int(cfg["linear_num_value_heads"]) // nk * int(cfg["linear_value_head_dim"])
+    by = {t.name: np.array(t.data) for t in GGUFReader(str(dst / "model.gguf")).tensors}
+    layers = {n.split(".")[1] for n in by if n.endswith(".attn_gate.weight")}
+    per_layer = {}
+    for layer in layers:
+        qkv, z = by[f"blk.{layer}.attn_qkv.weight"], by[f"blk.{layer}.attn_gate.weight"]
+        q, k, v = np.split(qkv, [nk * hk, 2 * nk * hk])
+        heads = [np.concatenate([q[h * hk:(h + 1) * hk], k[h * hk:(h + 1) * hk], v[h * vz:(h + 1) * vz],
+                                 z[h * vz:(h + 1) * vz]]) for h in range(nk)]
+        per_layer[layer] = np.split(np.concatenate(heads), [len(qkv)])
+
+    def change(name: str, a: np.ndarray) -> np.ndarray | None:
+        parts = name.split(".")
+        if parts[0] == "blk" and parts[1] in per_layer and parts[2] in ("attn_qkv", "attn_gate"):
+            return per_layer[parts[1]][0 if parts[2] == "attn_qkv" else 1]
         return None
 
     return _rewrite(dst, out, change)

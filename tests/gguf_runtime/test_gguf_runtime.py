@@ -2,9 +2,11 @@
 
 Per case (every input layout on a tiny Qwen3-MoE, AutoRound's Qwen3-MoE with FP4 attention, GPT-OSS,
 DeepSeek-R1's NVFP4 and Quark MXFP4 replicas, a Qwen3-MoE NVFP4 source also kept as GGML NVFP4 with
-``--keep-nvfp4``, GLM-4.5, GraniteMoE and Mixtral, an output split by ``--max-shard-size``): llama.cpp loads the GGUF; the prompt's logits agree with transformers'
-float32 model of the source; greedy generation produces tokens. The negative control (gate and up swapped
-in one layer) loads and must fail the logits check.
+``--keep-nvfp4``, GLM-4.5, GraniteMoE, Mixtral, Qwen3.5-MoE and Qwen3-Next, an output split by
+``--max-shard-size``): llama.cpp loads the GGUF; the prompt's logits agree with transformers' float32
+model of the source; greedy generation produces tokens. The negative controls (gate and up swapped in one
+layer, and each re-layout of a converter's done wrong: Q/K rows, Qwen3.5's norms and value heads,
+Qwen3-Next's qkvz split) load and must fail the logits check.
 
 Tolerance, as a mean |difference| relative to the RMS of the reference logits: llama.cpp's CPU matmuls
 round their activations before the dot product, to Q8_0 for an MXFP4 weight (blocks of 32 with a float16
@@ -28,7 +30,15 @@ import numpy as np
 import pytest
 
 from tests.gguf_runtime import gguf_cases as C
-from tests.gguf_runtime.conftest import NEGATIVE, NEGATIVE_NORMS, NEGATIVE_QK, NEGATIVE_V_HEADS, SHARDED, Ran
+from tests.gguf_runtime.conftest import (
+    NEGATIVE,
+    NEGATIVE_NORMS,
+    NEGATIVE_QK,
+    NEGATIVE_QKVZ,
+    NEGATIVE_V_HEADS,
+    SHARDED,
+    Ran,
+)
 
 pytestmark = pytest.mark.gguf
 
@@ -38,7 +48,7 @@ CASES = ["qwen3_moe-ct-mxfp4", "qwen3_moe-modelopt-nvfp4", "qwen3_moe-ct-nvfp4",
          "qwen3_moe-autoround-mxfp4", "gpt_oss", "deepseek_v3-modelopt-nvfp4-r1", "deepseek_v3-quark-mxfp4-r1",
          "qwen3_moe-modelopt-nvfp4-h128", "qwen3_moe-modelopt-nvfp4-h128--keep-nvfp4", "glm4_moe-ct-nvfp4",
          "granitemoe-ct-mxfp4", "mixtral-ct-mxfp4", "mixtral-ct-nvfp4", "qwen3_5_moe-ct-mxfp4", "qwen3_5_moe-ct-nvfp4",
-         "qwen3_5_moe-modelopt-nvfp4", SHARDED]
+         "qwen3_5_moe-modelopt-nvfp4", "qwen3_next-ct-mxfp4", "qwen3_next-modelopt-nvfp4", SHARDED]
 
 
 def _result(ran: Ran, name: str) -> dict[str, Any]:
@@ -76,11 +86,12 @@ def test_llama_cpp_generates(llama_ran: Ran, name: str) -> None:
     assert r["generated_tokens"] > 0, r
 
 
-@pytest.mark.parametrize("name", [NEGATIVE, NEGATIVE_QK, NEGATIVE_NORMS, NEGATIVE_V_HEADS])
+@pytest.mark.parametrize("name", [NEGATIVE, NEGATIVE_QK, NEGATIVE_NORMS, NEGATIVE_V_HEADS, NEGATIVE_QKVZ])
 def test_the_negative_controls_fail_the_logits_check(llama_ran: Ran, record: Any, name: str) -> None:
     """Gate and up swapped in one layer; Mixtral's Q and K rows left in the checkpoint's order; Qwen3.5's
     RMSNorm weights without the 1 its (1 + weight) norms add, and its Gated DeltaNet value heads left grouped
-    by key head: llama.cpp loads each, and the logits say so."""
+    by key head; Qwen3-Next's in_proj_qkvz cut in the checkpoint's order: llama.cpp loads each, and the
+    logits say so."""
     r = _result(llama_ran, name)
     ref = llama_ran.references[name]["reference_written"]
     d = _rel(np.array(r["logits"]), ref, ref)

@@ -75,6 +75,13 @@ def _config(arch: str) -> dict[str, object]:
                 "linear_key_head_dim": HEAD_DIM, "linear_value_head_dim": HEAD_DIM, "linear_conv_kernel_dim": 4,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                     "mrope_section": [2, 1, 1], "mrope_interleaved": True}}
+    if arch == "qwen3_next":  # Qwen3.5's text model with fused in_proj_qkvz / in_proj_ba and a plain RoPE
+        q35 = _config("qwen3_5_moe_text")
+        rope = q35.pop("rope_parameters")
+        assert isinstance(rope, dict)
+        return {**q35, "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+                "intermediate_size": 2 * INTER, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+                "partial_rotary_factor": 0.25, "rope_theta": rope["rope_theta"]}
     raise ValueError(arch)
 
 
@@ -109,8 +116,8 @@ def build_moe(arch: str, root: Path, seed: int) -> MoeSource:
         p = f"model.layers.{layer}"
         dense[f"{p}.input_layernorm.weight"] = torch.ones(H)
         dense[f"{p}.post_attention_layernorm.weight"] = torch.ones(H)
-        if arch == "qwen3_5_moe_text":
-            dense.update(_qwen35_layer(p, layer, rnd))
+        if arch in ("qwen3_5_moe_text", "qwen3_next"):
+            dense.update(_qwen35_layer(p, layer, rnd, fused=arch == "qwen3_next"))
         else:
             for name, rows, cols in (("q_proj", HEADS * HEAD_DIM, H), ("k_proj", KV_HEADS * HEAD_DIM, H),
                                      ("v_proj", KV_HEADS * HEAD_DIM, H), ("o_proj", H, HEADS * HEAD_DIM)):
@@ -124,7 +131,7 @@ def build_moe(arch: str, root: Path, seed: int) -> MoeSource:
             experts[f"{m}.{gate}.weight"] = rnd(INTER, H, std=0.15)
             experts[f"{m}.{up}.weight"] = rnd(INTER, H, std=0.15)
             experts[f"{m}.{down}.weight"] = rnd(H, INTER, std=0.15)
-    if arch == "qwen3_5_moe_text":
+    if arch in ("qwen3_5_moe_text", "qwen3_next"):
         dense["model.norm.weight"] = rnd(H, std=0.1)
     cfg = _config(arch)
     paths: dict[str, Path] = {}
@@ -153,17 +160,23 @@ def build_moe(arch: str, root: Path, seed: int) -> MoeSource:
     return MoeSource(arch, {**dense, **experts}, paths)
 
 
-def _qwen35_layer(p: str, layer: int, rnd: Any) -> dict[str, torch.Tensor]:
-    """One Qwen3.5-MoE layer's tensors besides the routed experts: Gated DeltaNet (layer 0) or gated full
-    attention (q_proj twice as wide: each head's query, then its gate), the shared expert and its gate. Its
-    RMSNorms scale by (1 + weight): their weights are small offsets, which a converter must add 1 to."""
+def _qwen35_layer(p: str, layer: int, rnd: Any, fused: bool) -> dict[str, torch.Tensor]:
+    """One Qwen3.5-MoE (or Qwen3-Next: ``fused``) layer's tensors besides the routed experts: Gated DeltaNet
+    (layer 0) or gated full attention (q_proj twice as wide: each head's query, then its gate), the shared
+    expert and its gate. Its RMSNorms scale by (1 + weight): their weights are small offsets, which a
+    converter must add 1 to. Qwen3-Next fuses the DeltaNet's input projections per key head:
+    ``in_proj_qkvz`` (q, k, then the head's value heads' v and z) and ``in_proj_ba`` (their b, then a)."""
     t: dict[str, torch.Tensor] = {}
     if layer == 0:
         a, kd, vd = f"{p}.linear_attn", LIN_K_HEADS * HEAD_DIM, LIN_V_HEADS * HEAD_DIM
-        t[f"{a}.in_proj_qkv.weight"] = rnd(2 * kd + vd, H, std=0.08)
-        t[f"{a}.in_proj_z.weight"] = rnd(vd, H, std=0.08)
-        t[f"{a}.in_proj_b.weight"] = rnd(LIN_V_HEADS, H, std=0.08)
-        t[f"{a}.in_proj_a.weight"] = rnd(LIN_V_HEADS, H, std=0.08)
+        if fused:
+            t[f"{a}.in_proj_qkvz.weight"] = rnd(2 * kd + 2 * vd, H, std=0.08)
+            t[f"{a}.in_proj_ba.weight"] = rnd(2 * LIN_V_HEADS, H, std=0.08)
+        else:
+            t[f"{a}.in_proj_qkv.weight"] = rnd(2 * kd + vd, H, std=0.08)
+            t[f"{a}.in_proj_z.weight"] = rnd(vd, H, std=0.08)
+            t[f"{a}.in_proj_b.weight"] = rnd(LIN_V_HEADS, H, std=0.08)
+            t[f"{a}.in_proj_a.weight"] = rnd(LIN_V_HEADS, H, std=0.08)
         t[f"{a}.conv1d.weight"] = rnd(2 * kd + vd, 1, 4, std=0.3)
         t[f"{a}.A_log"] = torch.linspace(0.2, 2.5, LIN_V_HEADS)
         t[f"{a}.dt_bias"] = rnd(LIN_V_HEADS, std=0.5)

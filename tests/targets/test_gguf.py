@@ -76,7 +76,8 @@ class Src:
 
 
 def _tokenized(path: Path) -> Path:
-    add_bpe_tokenizer(path, int(json.loads((path / "config.json").read_text())["vocab_size"]))
+    cfg = json.loads((path / "config.json").read_text())
+    add_bpe_tokenizer(path, int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]))
     return path
 
 
@@ -131,7 +132,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Src]:
         # refused
         "no-tokenizer": builders.build("ct-mxfp4", root / "no-tokenizer", shards=1),
         "mixtral": _tokenized(build_moe("mixtral", root / "mixtral", 0).paths["ct-mxfp4"]),
-        "qwen3-next": _tokenized(ct_families.qwen3_next(root / "qwen3-next").path),
+        "llama4": _tokenized(ct_families.llama4(root / "llama4").path),
         "fp8-block": _tokenized(deepseek.ct_mixed_nvfp4_fp8block(root / "fp8-block").path),
         "qwen35-kv-dims": _qwen35_head_dims(root / "qwen35-kv-dims"),
         "qwen35-fp4-out-proj": _qwen35_fp4_out_proj(root / "qwen35-fp4-out-proj"),
@@ -549,7 +550,7 @@ def test_inspect_refuses_gguf_without_a_tokenizer(sources: dict[str, Src]) -> No
 
 
 @pytest.mark.parametrize(("name", "extra", "says"), [
-    ("qwen3-next", [], ["'qwen3_next'", "deepseek_v3", "gpt_oss", "kimi_k2", "mixtral", "qwen3_moe"]),
+    ("llama4", [], ["'llama4'", "deepseek_v3", "gpt_oss", "kimi_k2", "mixtral", "qwen3_moe", "qwen3_next"]),
     ("modelopt-nvfp4", ["--keep-nvfp4"], ["--keep-nvfp4", "MXFP4"]),
     ("mixtral", ["--keep-nvfp4"], ["--keep-nvfp4", "MXFP4"]),
     ("fp8-block", [], ["model.layers.0.self_attn.kv_b_proj", "fp8-block", "FP8"]),
