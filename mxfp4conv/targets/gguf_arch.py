@@ -397,4 +397,16 @@ ARCHS["qwen3_5_moe_text"] = ARCHS["qwen3_5_moe"]
 # into attn_qkv / attn_gate, in_proj_ba as it is) and value heads in the checkpoint's order; its MTP block left out
 _QWEN3NEXT = {**{k: v for k, v in _QWEN35.items() if not k.startswith("linear_attn.in_proj_")},
               "linear_attn.in_proj_qkvz.weight": "attn_qkv.weight", "linear_attn.in_proj_ba.weight": "ssm_ba.weight"}
+def _minimax_m2(cfg: Mapping[str, Any]) -> list[KV]:
+    # sigmoid routing over a selection bias (exp_probs_b), partial rotary of rotary_dim, experts of intermediate_size
+    return [*_common(cfg), _u32("feed_forward_length", cfg["intermediate_size"]),
+            _u32("expert_feed_forward_length", cfg["intermediate_size"]), *_head_dim(cfg),
+            _u32("rope.dimension_count", cfg["rotary_dim"]), _u32("expert_gating_func", 2)]
+
+
+ARCHS["minimax_m2"] = Arch("minimax-m2", {**_NORMS, **_QKVO, "self_attn.q_norm.weight": "attn_q_norm.weight",
+                                          "self_attn.k_norm.weight": "attn_k_norm.weight",
+                                          "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+                                          "block_sparse_moe.e_score_correction_bias": "exp_probs_b.bias"},
+                           _minimax_m2, experts="block_sparse_moe.experts")
 ARCHS["qwen3_next"] = Arch("qwen3next", _QWEN3NEXT, _qwen3next, drop=("mtp.", "model.mtp."), reshape=_qwen3next_reshape)

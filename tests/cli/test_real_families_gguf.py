@@ -36,7 +36,7 @@ EXPECTED = {
     "quark-nvfp4-deepseek-r1": CONVERTS,
     "autoround-mxfp4-qwen3-moe": CONVERTS,
     "modelopt-nvfp4-qwen3-moe": CONVERTS,
-    "modelopt-nvfp4-minimax-m2": "not 'minimax_m2'",
+    "modelopt-nvfp4-minimax-m2": CONVERTS,
     "modelopt-nvfp4-qwen35-moe": CONVERTS,
     "llmcompressor-mxfp4-granitemoe": CONVERTS,
 }

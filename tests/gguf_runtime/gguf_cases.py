@@ -129,7 +129,8 @@ def sources(root: Path) -> list[Case]:
     and Mixtral MXFP4 / NVFP4 (llama.cpp's ``llama`` with experts: interleaved rotary pairs, ``w1/w3/w2``),
     and Qwen3.5-MoE in every input layout (llama.cpp's ``qwen35moe``: a Gated DeltaNet layer with two value
     heads per key head, a gated full-attention layer, (1 + weight) RMSNorms, a shared expert) and Qwen3-Next
-    (llama.cpp's ``qwen3next``: the same with its fused DeltaNet projections)."""
+    (llama.cpp's ``qwen3next``: the same with its fused DeltaNet projections), and MiniMax-M2 (sigmoid routing
+    with a selection bias, Q/K norms over whole projections, partial rotary)."""
     from tests.replicas import deepseek, granitemoe
     from tests.replicas.ct_families import autoround_mxfp4, glm45
     from tests.serving.serving_sources import build_moe
@@ -153,6 +154,9 @@ def sources(root: Path) -> list[Case]:
     qwen35 = build_moe("qwen3_5_moe_text", root / "qwen35", seed=4)
     for layout in ("ct-mxfp4", "ct-nvfp4", "modelopt-nvfp4"):
         out[f"qwen3_5_moe-{layout}"] = (qwen35.paths[layout], "qwen3_5_moe_text")
+    minimax = build_moe("minimax_m2", root / "minimax-m2", seed=6)
+    for layout in ("ct-mxfp4", "modelopt-nvfp4"):
+        out[f"minimax_m2-{layout}"] = (minimax.paths[layout], "minimax_m2")
     qwen3_next = build_moe("qwen3_next", root / "qwen3-next", seed=5)
     for layout in ("ct-mxfp4", "modelopt-nvfp4"):
         out[f"qwen3_next-{layout}"] = (qwen3_next.paths[layout], "qwen3_next")
@@ -234,8 +238,11 @@ def _state(case: Case, written: bool) -> dict[str, torch.Tensor]:
 
 
 def _module(name: str, model_type: str) -> str:
-    """transformers' module name of a checkpoint name (Mixtral's ``block_sparse_moe`` is its ``mlp``)."""
-    return f"{name}.".replace(".block_sparse_moe.", ".mlp.")[:-1] if model_type == "mixtral" else name
+    """transformers' module name of a checkpoint name (Mixtral's and MiniMax-M2's ``block_sparse_moe`` is its
+    ``mlp``)."""
+    if model_type in ("mixtral", "minimax_m2"):
+        return f"{name}.".replace(".block_sparse_moe.", ".mlp.")[:-1]
+    return name
 
 
 def reference_logits(case: Case, written: bool) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 Per case (every input layout on a tiny Qwen3-MoE, AutoRound's Qwen3-MoE with FP4 attention, GPT-OSS,
 DeepSeek-R1's NVFP4 and Quark MXFP4 replicas, a Qwen3-MoE NVFP4 source also kept as GGML NVFP4 with
-``--keep-nvfp4``, GLM-4.5, GraniteMoE, Mixtral, Qwen3.5-MoE and Qwen3-Next, an output split by
+``--keep-nvfp4``, GLM-4.5, GraniteMoE, Mixtral, Qwen3.5-MoE, Qwen3-Next and MiniMax-M2, an output split by
 ``--max-shard-size``): llama.cpp loads the GGUF; the prompt's logits agree with transformers' float32
 model of the source; greedy generation produces tokens. The negative controls (gate and up swapped in one
 layer, and each re-layout of a converter's done wrong: Q/K rows, Qwen3.5's norms and value heads,
@@ -48,7 +48,8 @@ CASES = ["qwen3_moe-ct-mxfp4", "qwen3_moe-modelopt-nvfp4", "qwen3_moe-ct-nvfp4",
          "qwen3_moe-autoround-mxfp4", "gpt_oss", "deepseek_v3-modelopt-nvfp4-r1", "deepseek_v3-quark-mxfp4-r1",
          "qwen3_moe-modelopt-nvfp4-h128", "qwen3_moe-modelopt-nvfp4-h128--keep-nvfp4", "glm4_moe-ct-nvfp4",
          "granitemoe-ct-mxfp4", "mixtral-ct-mxfp4", "mixtral-ct-nvfp4", "qwen3_5_moe-ct-mxfp4", "qwen3_5_moe-ct-nvfp4",
-         "qwen3_5_moe-modelopt-nvfp4", "qwen3_next-ct-mxfp4", "qwen3_next-modelopt-nvfp4", SHARDED]
+         "qwen3_5_moe-modelopt-nvfp4", "qwen3_next-ct-mxfp4", "qwen3_next-modelopt-nvfp4", "minimax_m2-ct-mxfp4",
+         "minimax_m2-modelopt-nvfp4", SHARDED]
 
 
 def _result(ran: Ran, name: str) -> dict[str, Any]:
@@ -126,8 +127,8 @@ def gguf_fp4(folder: Path, case: C.Case) -> dict[str, np.ndarray]:
     import json
 
     cfg = json.loads((case.src / "config.json").read_text())
-    experts = "block_sparse_moe.experts" if case.model_type in ("granitemoe", "mixtral") else "mlp.experts"
-    proj = {"gate": "w1", "up": "w3", "down": "w2"} if case.model_type == "mixtral" else {
+    experts = "block_sparse_moe.experts" if case.model_type in ("granitemoe", "mixtral", "minimax_m2") else "mlp.experts"
+    proj = {"gate": "w1", "up": "w3", "down": "w2"} if case.model_type in ("mixtral", "minimax_m2") else {
         p: f"{p}_proj" for p in ("gate", "up", "down")}
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize

@@ -82,6 +82,11 @@ def _config(arch: str) -> dict[str, object]:
         return {**q35, "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
                 "intermediate_size": 2 * INTER, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
                 "partial_rotary_factor": 0.25, "rope_theta": rope["rope_theta"]}
+    if arch == "minimax_m2":  # sigmoid routing with a selection bias, Q/K norms over whole projections, partial RoPE
+        return {**common, "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2",
+                "intermediate_size": INTER, "num_local_experts": EXPERTS, "rotary_dim": HEAD_DIM // 2,
+                "partial_rotary_factor": 0.5,  # as the releases' config.json: transformers reads this one
+                "scoring_func": "sigmoid", "use_qk_norm": True, "qk_norm_type": "per_layer"}
     raise ValueError(arch)
 
 
@@ -95,7 +100,7 @@ class MoeSource:
 
 
 def _expert_names(arch: str, layer: int, e: int) -> tuple[str, str, str, str]:
-    if arch == "mixtral":
+    if arch in ("mixtral", "minimax_m2"):
         p = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
         return p, "w1", "w3", "w2"
     return f"model.layers.{layer}.mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"
@@ -111,7 +116,7 @@ def build_moe(arch: str, root: Path, seed: int) -> MoeSource:
     dense: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(VOCAB, H, std=1.0),
                                       "model.norm.weight": torch.ones(H), "lm_head.weight": rnd(VOCAB, H, std=0.1)}
     experts: dict[str, torch.Tensor] = {}
-    moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    moe = "block_sparse_moe" if arch in ("mixtral", "minimax_m2") else "mlp"
     for layer in range(LAYERS):
         p = f"model.layers.{layer}"
         dense[f"{p}.input_layernorm.weight"] = torch.ones(H)
@@ -125,6 +130,10 @@ def build_moe(arch: str, root: Path, seed: int) -> MoeSource:
         if arch == "qwen3_moe":
             dense[f"{p}.self_attn.q_norm.weight"] = torch.ones(HEAD_DIM)
             dense[f"{p}.self_attn.k_norm.weight"] = torch.ones(HEAD_DIM)
+        if arch == "minimax_m2":  # its norms span the whole Q / K projection; the bias only ranks experts
+            dense[f"{p}.self_attn.q_norm.weight"] = 1.0 + rnd(HEADS * HEAD_DIM, std=0.1)
+            dense[f"{p}.self_attn.k_norm.weight"] = 1.0 + rnd(KV_HEADS * HEAD_DIM, std=0.1)
+            dense[f"{p}.{moe}.e_score_correction_bias"] = rnd(EXPERTS, std=0.5)
         dense[f"{p}.{moe}.gate.weight"] = rnd(EXPERTS, H, std=0.3)
         for e in range(EXPERTS):
             m, gate, up, down = _expert_names(arch, layer, e)
@@ -138,7 +147,7 @@ def build_moe(arch: str, root: Path, seed: int) -> MoeSource:
     for layout in ("ct-mxfp4", "ct-nvfp4", "modelopt-nvfp4"):
         out = root / f"{arch}-{layout}"
         out.mkdir(parents=True)
-        t = {k: v if k.endswith(".A_log") else v.to(torch.bfloat16) for k, v in dense.items()}
+        t = {k: v if k.endswith((".A_log", ".e_score_correction_bias")) else v.to(torch.bfloat16) for k, v in dense.items()}
         for k, w in experts.items():
             m = k.removesuffix(".weight")
             if layout == "ct-mxfp4":
