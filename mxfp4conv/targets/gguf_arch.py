@@ -25,9 +25,12 @@ def text_name(name: str) -> str:
 
 
 def text_hparams(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The language model's config (a multimodal release nests it under ``text_config``)."""
+    """The language model's config (a multimodal release nests it under ``text_config``; its ``vision_config``
+    kept beside it, where a language model's keys depend on the vision tower)."""
     inner = cfg.get("text_config")
-    return inner if isinstance(inner, Mapping) and "hidden_size" in inner else cfg
+    if isinstance(inner, Mapping) and "hidden_size" in inner:
+        return {**inner, "vision_config": cfg.get("vision_config") or {}}
+    return cfg
 
 
 def layer_of(name: str) -> re.Match[str] | None:
@@ -397,6 +400,18 @@ ARCHS["qwen3_5_moe_text"] = ARCHS["qwen3_5_moe"]
 # into attn_qkv / attn_gate, in_proj_ba as it is) and value heads in the checkpoint's order; its MTP block left out
 _QWEN3NEXT = {**{k: v for k, v in _QWEN35.items() if not k.startswith("linear_attn.in_proj_")},
               "linear_attn.in_proj_qkvz.weight": "attn_qkv.weight", "linear_attn.in_proj_ba.weight": "ssm_ba.weight"}
+def _qwen3vlmoe(cfg: Mapping[str, Any]) -> list[KV]:
+    # Qwen3-MoE's keys, its interleaved MRoPE sections, and how many layers add the vision tower's deepstack features
+    sections = [int(x) for x in rope_config(cfg)["mrope_section"]][:4]
+    deepstack = len(cfg.get("vision_config", {}).get("deepstack_visual_indexes") or [])
+    return [*_qwen3moe(cfg), KV("rope.dimension_sections", VType.ARRAY, sections + [0] * (4 - len(sections)), VType.INT32),
+            _u32("n_deepstack_layers", deepstack)]
+
+
+# Qwen3-VL-MoE: the text model (the vision tower goes to llama.cpp's separate mmproj GGUF, not written here)
+ARCHS["qwen3_vl_moe"] = Arch("qwen3vlmoe", ARCHS["qwen3_moe"].layer_names, _qwen3vlmoe, drop=("model.visual.",))
+
+
 def _minimax_m2(cfg: Mapping[str, Any]) -> list[KV]:
     # sigmoid routing over a selection bias (exp_probs_b), partial rotary of rotary_dim, experts of intermediate_size
     return [*_common(cfg), _u32("feed_forward_length", cfg["intermediate_size"]),

@@ -130,7 +130,8 @@ def sources(root: Path) -> list[Case]:
     and Qwen3.5-MoE in every input layout (llama.cpp's ``qwen35moe``: a Gated DeltaNet layer with two value
     heads per key head, a gated full-attention layer, (1 + weight) RMSNorms, a shared expert) and Qwen3-Next
     (llama.cpp's ``qwen3next``: the same with its fused DeltaNet projections), and MiniMax-M2 (sigmoid routing
-    with a selection bias, Q/K norms over whole projections, partial rotary)."""
+    with a selection bias, Q/K norms over whole projections, partial rotary), and Qwen3-VL-MoE's language model
+    (a multimodal release's names, MRoPE sections, one deepstack layer)."""
     from tests.replicas import deepseek, granitemoe
     from tests.replicas.ct_families import autoround_mxfp4, glm45
     from tests.serving.serving_sources import build_moe
@@ -154,6 +155,9 @@ def sources(root: Path) -> list[Case]:
     qwen35 = build_moe("qwen3_5_moe_text", root / "qwen35", seed=4)
     for layout in ("ct-mxfp4", "ct-nvfp4", "modelopt-nvfp4"):
         out[f"qwen3_5_moe-{layout}"] = (qwen35.paths[layout], "qwen3_5_moe_text")
+    qwen3_vl = build_moe("qwen3_vl_moe", root / "qwen3-vl", seed=7)
+    for layout in ("ct-mxfp4", "ct-nvfp4"):
+        out[f"qwen3_vl_moe-{layout}"] = (qwen3_vl.paths[layout], "qwen3_vl_moe")
     minimax = build_moe("minimax_m2", root / "minimax-m2", seed=6)
     for layout in ("ct-mxfp4", "modelopt-nvfp4"):
         out[f"minimax_m2-{layout}"] = (minimax.paths[layout], "minimax_m2")
@@ -162,7 +166,8 @@ def sources(root: Path) -> list[Case]:
         out[f"qwen3_next-{layout}"] = (qwen3_next.paths[layout], "qwen3_next")
     cases = []
     for name, (path, mt) in out.items():
-        add_bpe_tokenizer(path, int(json.loads((path / "config.json").read_text())["vocab_size"]))
+        cfg = json.loads((path / "config.json").read_text())
+        add_bpe_tokenizer(path, int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]))
         nv = any(isinstance(v, oracle.NV) for v in oracle.source_fp4(path).values())
         cases.append(Case(name, path, root / "out" / name, mt, nv))
     for base in [c for c in cases if c.name in KEEP]:  # NVFP4 kept as GGML NVFP4: no requantization
@@ -225,7 +230,8 @@ def _state(case: Case, written: bool) -> dict[str, torch.Tensor]:
             state[f"{c}.experts.gate_up_proj"] = torch.from_numpy(np.concatenate([gate, up], 1))
             state[f"{c}.experts.down_proj"] = torch.from_numpy(down)
     owned = tuple(f"{m}." for m in fp4)
-    layers = int(json.loads((case.src / "config.json").read_text())["num_hidden_layers"])
+    cfg = json.loads((case.src / "config.json").read_text())
+    layers = int(cfg.get("num_hidden_layers") or cfg["text_config"]["num_hidden_layers"])
     for name, t in load_tensors(case.src).items():
         m = re.match(r"^model\.layers\.(\d+)\.", name)
         if m is not None and int(m[1]) >= layers:  # an MTP layer: not part of the model's forward
@@ -250,6 +256,8 @@ def reference_logits(case: Case, written: bool) -> np.ndarray:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = json.loads((case.src / "config.json").read_text())
+    if case.model_type == "qwen3_vl_moe":
+        return _vl_text_logits(case, cfg, written)
     config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k not in ("quantization_config",
                                                                                   "compression_config")})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -259,6 +267,21 @@ def reference_logits(case: Case, written: bool) -> np.ndarray:
     assert set(missing) <= tied and not unexpected, (missing, unexpected)
     with torch.no_grad():
         return model(torch.tensor([PROMPT])).logits[0].numpy().astype(np.float64)
+
+
+def _vl_text_logits(case: Case, cfg: dict[str, Any], written: bool) -> np.ndarray:
+    """A multimodal release's language model alone (transformers' text model and the lm_head): the logits of a
+    text prompt, the positions of its three rotary sections all the token's."""
+    from transformers import Qwen3VLMoeTextConfig
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextModel
+
+    model = Qwen3VLMoeTextModel(Qwen3VLMoeTextConfig(**cfg["text_config"])).float()
+    state = _state(case, written)
+    head = state.pop("lm_head.weight")
+    model.load_state_dict({k.removeprefix("model.language_model."): v for k, v in state.items()}, strict=True)
+    with torch.no_grad():
+        hidden = model(input_ids=torch.tensor([PROMPT])).last_hidden_state[0]
+        return (hidden @ head.T).numpy().astype(np.float64)
 
 
 def swap_gate_up(dst: Path, out: Path) -> Path:

@@ -2,7 +2,7 @@
 
 Per case (every input layout on a tiny Qwen3-MoE, AutoRound's Qwen3-MoE with FP4 attention, GPT-OSS,
 DeepSeek-R1's NVFP4 and Quark MXFP4 replicas, a Qwen3-MoE NVFP4 source also kept as GGML NVFP4 with
-``--keep-nvfp4``, GLM-4.5, GraniteMoE, Mixtral, Qwen3.5-MoE, Qwen3-Next and MiniMax-M2, an output split by
+``--keep-nvfp4``, GLM-4.5, GraniteMoE, Mixtral, Qwen3.5-MoE, Qwen3-Next, MiniMax-M2 and Qwen3-VL-MoE's text model, an output split by
 ``--max-shard-size``): llama.cpp loads the GGUF; the prompt's logits agree with transformers' float32
 model of the source; greedy generation produces tokens. The negative controls (gate and up swapped in one
 layer, and each re-layout of a converter's done wrong: Q/K rows, Qwen3.5's norms and value heads,
@@ -49,7 +49,7 @@ CASES = ["qwen3_moe-ct-mxfp4", "qwen3_moe-modelopt-nvfp4", "qwen3_moe-ct-nvfp4",
          "qwen3_moe-modelopt-nvfp4-h128", "qwen3_moe-modelopt-nvfp4-h128--keep-nvfp4", "glm4_moe-ct-nvfp4",
          "granitemoe-ct-mxfp4", "mixtral-ct-mxfp4", "mixtral-ct-nvfp4", "qwen3_5_moe-ct-mxfp4", "qwen3_5_moe-ct-nvfp4",
          "qwen3_5_moe-modelopt-nvfp4", "qwen3_next-ct-mxfp4", "qwen3_next-modelopt-nvfp4", "minimax_m2-ct-mxfp4",
-         "minimax_m2-modelopt-nvfp4", SHARDED]
+         "minimax_m2-modelopt-nvfp4", "qwen3_vl_moe-ct-mxfp4", "qwen3_vl_moe-ct-nvfp4", SHARDED]
 
 
 def _result(ran: Ran, name: str) -> dict[str, Any]:
@@ -127,6 +127,7 @@ def gguf_fp4(folder: Path, case: C.Case) -> dict[str, np.ndarray]:
     import json
 
     cfg = json.loads((case.src / "config.json").read_text())
+    layers = "model.language_model.layers" if case.model_type == "qwen3_vl_moe" else "model.layers"
     experts = "block_sparse_moe.experts" if case.model_type in ("granitemoe", "mixtral", "minimax_m2") else "mlp.experts"
     proj = {"gate": "w1", "up": "w3", "down": "w2"} if case.model_type in ("mixtral", "minimax_m2") else {
         p: f"{p}_proj" for p in ("gate", "up", "down")}
@@ -144,12 +145,12 @@ def gguf_fp4(folder: Path, case: C.Case) -> dict[str, np.ndarray]:
             values = values * (scale[:, None, None] if values.ndim == 3 else scale[0])
         if (m := _EXPS.match(t.name)) is not None:
             for e in range(values.shape[0]):
-                out[f"model.layers.{m[1]}.{experts}.{e}.{proj[m[2]]}"] = values[e]
+                out[f"{layers}.{m[1]}.{experts}.{e}.{proj[m[2]]}"] = values[e]
             continue
         _blk, layer, kind, _ = t.name.split(".")
         if case.model_type in ("granitemoe", "mixtral") and kind in ("attn_q", "attn_k"):
             values = _unpermute(values, int(cfg["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]))
-        out[f"model.layers.{layer}.{_DENSE[kind]}"] = values
+        out[f"{layers}.{layer}.{_DENSE[kind]}"] = values
     return out
 
 

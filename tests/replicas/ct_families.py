@@ -127,6 +127,12 @@ QWEN3_VL_PREFIXES = {"model.visual.": "visual.", "lm_head": "language_model.lm_h
                      "model.language_model.": "language_model.model."}
 
 
+def _sections(head_dim: int) -> list[int]:
+    """Qwen3-VL's MRoPE sections (temporal, height, width) in its releases' proportion, summing to head_dim / 2."""
+    h = w = head_dim * 5 // 32
+    return [head_dim // 2 - h - w, h, w]
+
+
 def qwen3_vl_moe(root: Path) -> Replica:
     """Qwen3-VL-MoE NVFP4A16: ``model.language_model.layers.*`` with ``text_config``, attention BF16
     listed by exact name in ``ignore``, a BF16 vision tower (5-D patch conv) ignored by regex."""
@@ -169,7 +175,9 @@ def qwen3_vl_moe(root: Path) -> Replica:
             "moe_intermediate_size": MOE_I, "num_experts": EXPERTS, "num_experts_per_tok": 2, "num_hidden_layers": 2,
             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": HEAD_DIM, "decoder_sparse_step": 1,
             "mlp_only_layers": [], "norm_topk_prob": True, "vocab_size": VOCAB, "rms_norm_eps": 1e-6,
-            "rope_theta": 5000000.0, "max_position_embeddings": 512, "hidden_act": "silu", "torch_dtype": "bfloat16"}
+            "rope_theta": 5000000.0, "max_position_embeddings": 512, "hidden_act": "silu", "torch_dtype": "bfloat16",
+            # as the releases' text_config has it (Qwen3-VL-30B-A3B: [24, 20, 20] of head_dim 128)
+            "rope_scaling": {"rope_type": "default", "mrope_section": _sections(HEAD_DIM), "mrope_interleaved": True}}
     vision = {"model_type": "qwen3_vl_moe", "depth": 1, "hidden_size": vh, "intermediate_size": 2 * vh,
               "num_heads": 2, "out_hidden_size": H, "patch_size": 4, "temporal_patch_size": 2,
               "spatial_merge_size": 2, "in_channels": 3, "num_position_embeddings": 16, "deepstack_visual_indexes": []}

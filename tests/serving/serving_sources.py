@@ -82,6 +82,17 @@ def _config(arch: str) -> dict[str, object]:
         return {**q35, "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
                 "intermediate_size": 2 * INTER, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
                 "partial_rotary_factor": 0.25, "rope_theta": rope["rope_theta"]}
+    if arch == "qwen3_vl_moe":  # Qwen3-MoE as the language model of a multimodal release (its vision tower not built)
+        text = {k: v for k, v in _config("qwen3_moe").items() if k not in ("architectures", "rope_theta")}
+        text.update(model_type="qwen3_vl_moe_text", rope_scaling={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5], "mrope_interleaved": True})
+        vision = {"model_type": "qwen3_vl_moe", "depth": 1, "hidden_size": 64, "intermediate_size": 128,
+                  "num_heads": 2, "out_hidden_size": H, "patch_size": 4, "temporal_patch_size": 2,
+                  "spatial_merge_size": 2, "in_channels": 3, "num_position_embeddings": 16,
+                  "deepstack_visual_indexes": [0]}
+        return {"architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe",
+                "text_config": text, "vision_config": vision, "tie_word_embeddings": False, "image_token_id": 250,
+                "video_token_id": 251, "vision_start_token_id": 252, "vision_end_token_id": 253}
     if arch == "minimax_m2":  # sigmoid routing with a selection bias, Q/K norms over whole projections, partial RoPE
         return {**common, "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2",
                 "intermediate_size": INTER, "num_local_experts": EXPERTS, "rotary_dim": HEAD_DIM // 2,
@@ -107,8 +118,10 @@ def _expert_names(arch: str, layer: int, e: int) -> tuple[str, str, str, str]:
 
 
 def build_moe(arch: str, root: Path, seed: int) -> MoeSource:
-    """Write ``root/<arch>-{ct-mxfp4,ct-nvfp4,modelopt-nvfp4}`` from one set of seeded weights."""
+    """Write ``root/<arch>-{ct-mxfp4,ct-nvfp4,modelopt-nvfp4}`` from one set of seeded weights (``qwen3_vl_moe``:
+    Qwen3-MoE's under ``model.language_model.``, in the compressed-tensors layouts only)."""
     g = torch.Generator().manual_seed(seed)
+    vl, arch = arch == "qwen3_vl_moe", "qwen3_moe" if arch == "qwen3_vl_moe" else arch
 
     def rnd(*shape: int, std: float) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16).float()
@@ -142,10 +155,10 @@ def build_moe(arch: str, root: Path, seed: int) -> MoeSource:
             experts[f"{m}.{down}.weight"] = rnd(H, INTER, std=0.15)
     if arch in ("qwen3_5_moe_text", "qwen3_next"):
         dense["model.norm.weight"] = rnd(H, std=0.1)
-    cfg = _config(arch)
+    cfg = _config("qwen3_vl_moe" if vl else arch)
     paths: dict[str, Path] = {}
-    for layout in ("ct-mxfp4", "ct-nvfp4", "modelopt-nvfp4"):
-        out = root / f"{arch}-{layout}"
+    for layout in ("ct-mxfp4", "ct-nvfp4") if vl else ("ct-mxfp4", "ct-nvfp4", "modelopt-nvfp4"):
+        out = root / f"{'qwen3_vl_moe' if vl else arch}-{layout}"
         out.mkdir(parents=True)
         t = {k: v if k.endswith((".A_log", ".e_score_correction_bias")) else v.to(torch.bfloat16) for k, v in dense.items()}
         for k, w in experts.items():
@@ -164,9 +177,13 @@ def build_moe(arch: str, root: Path, seed: int) -> MoeSource:
             q = _ct_qconfig("mxfp4-pack-quantized" if layout == "ct-mxfp4" else "nvfp4-pack-quantized", IGNORE)
         (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": q}, indent=2, sort_keys=True))
         (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-        _save_sharded(out, t, 2)
+        _save_sharded(out, {_vl_name(k) if vl else k: v for k, v in t.items()}, 2)
         paths[layout] = out
-    return MoeSource(arch, {**dense, **experts}, paths)
+    return MoeSource("qwen3_vl_moe" if vl else arch, {**dense, **experts}, paths)
+
+
+def _vl_name(name: str) -> str:
+    return f"model.language_model.{name[len('model.'):]}" if name.startswith("model.") else name
 
 
 def _qwen35_layer(p: str, layer: int, rnd: Any, fused: bool) -> dict[str, torch.Tensor]:

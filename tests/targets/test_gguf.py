@@ -98,6 +98,15 @@ def _qwen35_head_dims(root: Path) -> Path:
     return src
 
 
+def _qwen3_vl_without_sections(root: Path) -> Path:
+    """Qwen3-VL-MoE whose text_config gives no MRoPE sections (llama.cpp's qwen3vlmoe requires them)."""
+    src = _tokenized(ct_families.qwen3_vl_moe(root).path)
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["text_config"]["rope_scaling"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    return src
+
+
 def _qwen35_fp4_out_proj(root: Path) -> Path:
     """A Qwen3.5 MXFP4 source whose Gated DeltaNet ``out_proj`` is MXFP4 too: llama.cpp's converter reorders
     that Linear's input columns (value heads grouped -> tiled)."""
@@ -135,6 +144,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Src]:
         "llama4": _tokenized(ct_families.llama4(root / "llama4").path),
         "fp8-block": _tokenized(deepseek.ct_mixed_nvfp4_fp8block(root / "fp8-block").path),
         "qwen35-kv-dims": _qwen35_head_dims(root / "qwen35-kv-dims"),
+        "qwen3-vl-no-sections": _qwen3_vl_without_sections(root / "qwen3-vl-no-sections"),
         "qwen35-fp4-out-proj": _qwen35_fp4_out_proj(root / "qwen35-fp4-out-proj"),
     }
     return {k: Src(p, json.loads((p / "config.json").read_text())) for k, p in paths.items()}
@@ -550,15 +560,17 @@ def test_inspect_refuses_gguf_without_a_tokenizer(sources: dict[str, Src]) -> No
 
 
 @pytest.mark.parametrize(("name", "extra", "says"), [
-    ("llama4", [], ["'llama4'", "deepseek_v3", "gpt_oss", "kimi_k2", "mixtral", "qwen3_moe", "qwen3_next"]),
+    ("llama4", [], ["'llama4'", "deepseek_v3", "gpt_oss", "kimi_k2", "minimax_m2", "mixtral", "qwen3_moe", "qwen3_next",
+                    "qwen3_vl_moe"]),
     ("modelopt-nvfp4", ["--keep-nvfp4"], ["--keep-nvfp4", "MXFP4"]),
     ("mixtral", ["--keep-nvfp4"], ["--keep-nvfp4", "MXFP4"]),
     ("fp8-block", [], ["model.layers.0.self_attn.kv_b_proj", "fp8-block", "FP8"]),
     ("no-tokenizer", [], ["tokenizer.json", "no tokenizer"]),
     ("qwen35-kv-dims", [], ["config.json", "Gated DeltaNet", "qwen35moe needs them equal"]),
     ("qwen35-fp4-out-proj", [], ["model.layers.0.linear_attn.out_proj", "input columns", "--to ct"]),
+    ("qwen3-vl-no-sections", [], ["config.json", "mrope_section", "qwen3vlmoe"]),
 ], ids=["unknown-architecture", "keep-nvfp4", "keep-nvfp4-mxfp4-source", "fp8-layer", "no-tokenizer",
-        "qwen35-value-heads-wider", "qwen35-fp4-out-proj"])
+        "qwen35-value-heads-wider", "qwen35-fp4-out-proj", "qwen3-vl-no-mrope-sections"])
 def test_refusals_at_planning(sources: dict[str, Src], tmp_path: Path, name: str, extra: list[str],
                               says: list[str]) -> None:
     parent = tmp_path / "out"
