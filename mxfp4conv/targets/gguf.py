@@ -222,11 +222,8 @@ class GgufTarget(Target):
         if ctx.target_options.keep_nvfp4 and (why := _keep_refusal(ctx, arch)):
             return why
         cfg = text_hparams(ctx.src_config)
-        if arch.name in ("qwen35moe", "qwen3next") and cfg.get("linear_key_head_dim") != cfg.get("linear_value_head_dim"):
-            return (f"config.json: Gated DeltaNet key heads of {cfg.get('linear_key_head_dim')} and value heads of "
-                    f"{cfg.get('linear_value_head_dim')}: llama.cpp's {arch.name} needs them equal")
-        if arch.name == "qwen3vlmoe" and "mrope_section" not in rope_config(cfg):
-            return "config.json: text_config gives no mrope_section, which llama.cpp's qwen3vlmoe needs"
+        if arch.refusal is not None and (why := arch.refusal(cfg)):
+            return why
         rope = rope_config(cfg)["rope_type"]
         if rope not in ("default", "yarn", None):
             return f"config.json: rope_type {rope!r} is not one this target writes for llama.cpp (default, yarn)"

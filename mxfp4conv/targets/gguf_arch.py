@@ -16,12 +16,16 @@ if TYPE_CHECKING:
 __all__ = ["ARCHS", "LAYER", "Arch", "expert_prefix", "gguf_name", "layer_of", "rope_config", "text_hparams", "text_name"]
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_VL_TEXT = "model.language_model."  # a multimodal release's language model (Qwen3-VL's names)
+# a multimodal release's language model: Qwen3-VL's and Qwen3.5's names, Llama-4's
+_VL_TEXT = {"model.language_model.": "model.", "language_model.model.": "model.", "language_model.lm_head.": "lm_head."}
 
 
 def text_name(name: str) -> str:
     """A source name as the language model's own (``model.language_model.X`` -> ``model.X``)."""
-    return "model." + name[len(_VL_TEXT):] if name.startswith(_VL_TEXT) else name
+    for vl, text in _VL_TEXT.items():
+        if name.startswith(vl):
+            return text + name[len(vl):]
+    return name
 
 
 def text_hparams(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -51,6 +55,8 @@ class Arch:
     drop: tuple[str, ...] = ()  # prefixes of what the GGUF leaves out (a vision tower, an MTP block)
     # per tensor (its suffix after "model.layers.L.", or its global name): what llama.cpp's converter does to it
     reshape: Callable[[str, Mapping[str, Any]], Reshape | None] | None = None
+    # why the text config has no exact form in llama.cpp's graph (a key it fixes or requires), None if it has
+    refusal: Callable[[Mapping[str, Any]], str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -393,8 +399,15 @@ _QWEN35 = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layerno
            "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight"}
 # the text model of Qwen3.5-MoE: a multimodal release's vision tower goes to llama.cpp's separate mmproj GGUF, which
 # this target does not write, and its MTP block is left out as llama.cpp's converter leaves it with --no-mtp
+def _deltanet_refusal(cfg: Mapping[str, Any]) -> str | None:
+    if cfg.get("linear_key_head_dim") != cfg.get("linear_value_head_dim"):
+        return (f"config.json: Gated DeltaNet key heads of {cfg.get('linear_key_head_dim')} and value heads of "
+                f"{cfg.get('linear_value_head_dim')}: llama.cpp sizes both from one key (ssm.state_size)")
+    return None
+
+
 ARCHS["qwen3_5_moe"] = Arch("qwen35moe", _QWEN35, _qwen35moe, drop=("model.visual.", "mtp.", "model.mtp."),
-                            reshape=_qwen35_reshape)
+                            reshape=_qwen35_reshape, refusal=_deltanet_refusal)
 ARCHS["qwen3_5_moe_text"] = ARCHS["qwen3_5_moe"]
 # Qwen3-Next: Qwen3.5's names, its fused projections as its llama.cpp converter writes them (in_proj_qkvz split
 # into attn_qkv / attn_gate, in_proj_ba as it is) and value heads in the checkpoint's order; its MTP block left out
@@ -409,7 +422,14 @@ def _qwen3vlmoe(cfg: Mapping[str, Any]) -> list[KV]:
 
 
 # Qwen3-VL-MoE: the text model (the vision tower goes to llama.cpp's separate mmproj GGUF, not written here)
-ARCHS["qwen3_vl_moe"] = Arch("qwen3vlmoe", ARCHS["qwen3_moe"].layer_names, _qwen3vlmoe, drop=("model.visual.",))
+def _mrope_refusal(cfg: Mapping[str, Any]) -> str | None:
+    if "mrope_section" in rope_config(cfg):
+        return None
+    return "config.json: text_config gives no mrope_section, which llama.cpp's qwen3vlmoe needs"
+
+
+ARCHS["qwen3_vl_moe"] = Arch("qwen3vlmoe", ARCHS["qwen3_moe"].layer_names, _qwen3vlmoe, drop=("model.visual.",),
+                             refusal=_mrope_refusal)
 
 
 def _minimax_m2(cfg: Mapping[str, Any]) -> list[KV]:
@@ -424,4 +444,39 @@ ARCHS["minimax_m2"] = Arch("minimax-m2", {**_NORMS, **_QKVO, "self_attn.q_norm.w
                                           "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
                                           "block_sparse_moe.e_score_correction_bias": "exp_probs_b.bias"},
                            _minimax_m2, experts="block_sparse_moe.experts")
-ARCHS["qwen3_next"] = Arch("qwen3next", _QWEN3NEXT, _qwen3next, drop=("mtp.", "model.mtp."), reshape=_qwen3next_reshape)
+ARCHS["qwen3_next"] = Arch("qwen3next", _QWEN3NEXT, _qwen3next, drop=("mtp.", "model.mtp."), reshape=_qwen3next_reshape,
+                           refusal=_deltanet_refusal)
+
+
+def _llama4(cfg: Mapping[str, Any]) -> list[KV]:
+    # dense layers of intermediate_size_mlp between MoE layers every interleave_moe_layer_step-th; rotary pairs
+    # interleaved in the checkpoint already (llama.cpp's converter moves no rows)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return [*_common(cfg), _u32("feed_forward_length", cfg["intermediate_size_mlp"]),
+            _u32("expert_feed_forward_length", cfg["intermediate_size"]),
+            _u32("interleave_moe_layer_step", cfg.get("interleave_moe_layer_step", 1)), _u32("vocab_size", cfg["vocab_size"]),
+            _u32("rope.dimension_count", head_dim), *_head_dim(cfg)]
+
+
+def _llama4_refusal(cfg: Mapping[str, Any]) -> str | None:
+    """llama.cpp's llama4 fixes what Llama-4's config sets: chunked attention of 8192 with every fourth layer
+    global and without RoPE, attention temperature tuning (floor 8192, scale 0.1), Q/K L2 norms unless it has
+    128 experts (Maverick)."""
+    n = int(cfg["num_hidden_layers"])
+    fixed = {"no_rope_layers": [int((i + 1) % 4 != 0) for i in range(n)], "attention_chunk_size": 8192,
+             "floor_scale": 8192, "attn_scale": 0.1, "attn_temperature_tuning": True,
+             "use_qk_norm": int(cfg.get("num_local_experts", 0)) != 128}
+    for key, want in fixed.items():
+        got = cfg.get(key, want)
+        if (list(got) if isinstance(got, list) else got) != want:
+            return f"config.json: {key} {got!r}, where llama.cpp's llama4 fixes {want!r}"
+    return None
+
+
+_FFN = {f"feed_forward.{p}_proj.weight": f"ffn_{p}.weight" for p in ("gate", "up", "down")}
+ARCHS["llama4"] = Arch("llama4", {**_NORMS, **_QKVO, **_FFN, "feed_forward.router.weight": "ffn_gate_inp.weight",
+                                  **{f"feed_forward.shared_expert.{p}_proj.weight": f"ffn_{p}_shexp.weight"
+                                     for p in ("gate", "up", "down")}},
+                       _llama4, experts="feed_forward.experts", drop=("vision_model.", "multi_modal_projector."),
+                       refusal=_llama4_refusal)
+ARCHS["llama4_text"] = ARCHS["llama4"]

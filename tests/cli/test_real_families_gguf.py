@@ -29,7 +29,7 @@ EXPECTED = {
     "deepseek-v4-native-mxfp4": "not 'deepseek_v4'",
     "ct-nvfp4-qwen3-next": CONVERTS,
     "ct-nvfp4-qwen3-vl-moe": CONVERTS,
-    "ct-nvfp4-llama4": "not 'llama4'",
+    "ct-nvfp4-llama4": CONVERTS,
     "ct-nvfp4-glm45": CONVERTS,
     "ct-mixed-nvfp4-fp8block-deepseek-r1": "model.layers.0.self_attn.kv_b_proj: fp8-block",
     "quark-mxfp4-deepseek-r1": CONVERTS,

@@ -131,7 +131,8 @@ def sources(root: Path) -> list[Case]:
     heads per key head, a gated full-attention layer, (1 + weight) RMSNorms, a shared expert) and Qwen3-Next
     (llama.cpp's ``qwen3next``: the same with its fused DeltaNet projections), and MiniMax-M2 (sigmoid routing
     with a selection bias, Q/K norms over whole projections, partial rotary), and Qwen3-VL-MoE's language model
-    (a multimodal release's names, MRoPE sections, one deepstack layer)."""
+    (a multimodal release's names, MRoPE sections, one deepstack layer), and Llama-4 (dense and MoE layers
+    interleaved, a top-1 sigmoid router and a shared expert, a global NoPE fourth layer)."""
     from tests.replicas import deepseek, granitemoe
     from tests.replicas.ct_families import autoround_mxfp4, glm45
     from tests.serving.serving_sources import build_moe
@@ -155,6 +156,9 @@ def sources(root: Path) -> list[Case]:
     qwen35 = build_moe("qwen3_5_moe_text", root / "qwen35", seed=4)
     for layout in ("ct-mxfp4", "ct-nvfp4", "modelopt-nvfp4"):
         out[f"qwen3_5_moe-{layout}"] = (qwen35.paths[layout], "qwen3_5_moe_text")
+    llama4 = build_moe("llama4_text", root / "llama4", seed=8)
+    for layout in ("ct-mxfp4", "modelopt-nvfp4"):
+        out[f"llama4-{layout}"] = (llama4.paths[layout], "llama4_text")
     qwen3_vl = build_moe("qwen3_vl_moe", root / "qwen3-vl", seed=7)
     for layout in ("ct-mxfp4", "ct-nvfp4"):
         out[f"qwen3_vl_moe-{layout}"] = (qwen3_vl.paths[layout], "qwen3_vl_moe")
@@ -221,7 +225,11 @@ def _state(case: Case, written: bool) -> dict[str, torch.Tensor]:
     for c, by in experts.items():
         n = len(by["gate_proj"])
         gate, up, down = (np.stack([by[p][e] for e in range(n)]) for p in ("gate_proj", "up_proj", "down_proj"))
-        if case.model_type == "gpt_oss":  # transformers' GptOssExperts: [E, H, 2I] gate/up interleaved, [E, I, H]
+        if case.model_type == "llama4_text":  # transformers' Llama4TextExperts: [E, H, 2I] gate then up, [E, I, H]
+            state[f"{c}.experts.gate_up_proj"] = torch.from_numpy(np.ascontiguousarray(
+                np.concatenate([gate, up], 1).transpose(0, 2, 1)))
+            state[f"{c}.experts.down_proj"] = torch.from_numpy(np.ascontiguousarray(down.transpose(0, 2, 1)))
+        elif case.model_type == "gpt_oss":  # transformers' GptOssExperts: [E, H, 2I] gate/up interleaved, [E, I, H]
             gate_up = np.empty((n, gate.shape[2], 2 * gate.shape[1]), dtype=np.float32)
             gate_up[:, :, 0::2], gate_up[:, :, 1::2] = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
             state[f"{c}.experts.gate_up_proj"] = torch.from_numpy(gate_up)

@@ -2,7 +2,7 @@
 
 Per case (every input layout on a tiny Qwen3-MoE, AutoRound's Qwen3-MoE with FP4 attention, GPT-OSS,
 DeepSeek-R1's NVFP4 and Quark MXFP4 replicas, a Qwen3-MoE NVFP4 source also kept as GGML NVFP4 with
-``--keep-nvfp4``, GLM-4.5, GraniteMoE, Mixtral, Qwen3.5-MoE, Qwen3-Next, MiniMax-M2 and Qwen3-VL-MoE's text model, an output split by
+``--keep-nvfp4``, GLM-4.5, GraniteMoE, Mixtral, Qwen3.5-MoE, Qwen3-Next, MiniMax-M2, Qwen3-VL-MoE's text model and Llama-4, an output split by
 ``--max-shard-size``): llama.cpp loads the GGUF; the prompt's logits agree with transformers' float32
 model of the source; greedy generation produces tokens. The negative controls (gate and up swapped in one
 layer, and each re-layout of a converter's done wrong: Q/K rows, Qwen3.5's norms and value heads,
@@ -49,7 +49,8 @@ CASES = ["qwen3_moe-ct-mxfp4", "qwen3_moe-modelopt-nvfp4", "qwen3_moe-ct-nvfp4",
          "qwen3_moe-modelopt-nvfp4-h128", "qwen3_moe-modelopt-nvfp4-h128--keep-nvfp4", "glm4_moe-ct-nvfp4",
          "granitemoe-ct-mxfp4", "mixtral-ct-mxfp4", "mixtral-ct-nvfp4", "qwen3_5_moe-ct-mxfp4", "qwen3_5_moe-ct-nvfp4",
          "qwen3_5_moe-modelopt-nvfp4", "qwen3_next-ct-mxfp4", "qwen3_next-modelopt-nvfp4", "minimax_m2-ct-mxfp4",
-         "minimax_m2-modelopt-nvfp4", "qwen3_vl_moe-ct-mxfp4", "qwen3_vl_moe-ct-nvfp4", SHARDED]
+         "minimax_m2-modelopt-nvfp4", "qwen3_vl_moe-ct-mxfp4", "qwen3_vl_moe-ct-nvfp4", "llama4-ct-mxfp4",
+         "llama4-modelopt-nvfp4", SHARDED]
 
 
 def _result(ran: Ran, name: str) -> dict[str, Any]:
@@ -128,7 +129,8 @@ def gguf_fp4(folder: Path, case: C.Case) -> dict[str, np.ndarray]:
 
     cfg = json.loads((case.src / "config.json").read_text())
     layers = "model.language_model.layers" if case.model_type == "qwen3_vl_moe" else "model.layers"
-    experts = "block_sparse_moe.experts" if case.model_type in ("granitemoe", "mixtral", "minimax_m2") else "mlp.experts"
+    experts = "block_sparse_moe.experts" if case.model_type in ("granitemoe", "mixtral", "minimax_m2") else (
+        "feed_forward.experts" if case.model_type == "llama4_text" else "mlp.experts")
     proj = {"gate": "w1", "up": "w3", "down": "w2"} if case.model_type in ("mixtral", "minimax_m2") else {
         p: f"{p}_proj" for p in ("gate", "up", "down")}
     from gguf import GGMLQuantizationType, GGUFReader

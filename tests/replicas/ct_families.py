@@ -252,7 +252,7 @@ def llama4(root: Path) -> Replica:
             "num_local_experts": EXPERTS, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
             "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": HEAD_DIM,
             "vocab_size": VOCAB, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 512,
-            "no_rope_layers": [1, 1], "attention_chunk_size": 256, "use_qk_norm": True, "hidden_act": "silu",
+            "no_rope_layers": [1, 1], "attention_chunk_size": 8192, "use_qk_norm": True, "hidden_act": "silu",
             "torch_dtype": "bfloat16"}
     vision = {"model_type": "llama4_vision_model", "hidden_size": vh, "intermediate_size": 2 * vh,
               "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 16, "patch_size": 4,

@@ -35,6 +35,7 @@ from tests.producers.producers_lib import exact_nvfp4_dequantize, hf_load, mx_qu
 _ct_qconfig, _save_sharded = tiny._ct_qconfig, tiny._save_sharded
 
 H, INTER, EXPERTS, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 128, 64, 4, 2, 4, 2, 32, 256
+LLAMA4_LAYERS = 4  # its fourth layer is global attention without RoPE
 LIN_K_HEADS, LIN_V_HEADS = 2, 4  # Qwen3.5's Gated DeltaNet: two value heads per key head, as in its releases
 PROMPT_LEN = 24
 # Router-logit gap (k-th vs (k+1)-th expert), relative to the RMS of that layer's router logits, under
@@ -44,7 +45,7 @@ ROUTING_TIE = 0.03
 # the requantized case the forced AVX2 (loader-only) process also loads
 FORCED_NVFP4 = "qwen3_moe-modelopt-nvfp4--quark"
 IGNORE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*self_attn.*", "re:.*linear_attn.*",
-          "re:.*shared_expert.*"]
+          "re:.*shared_expert.*", "re:.*feed_forward.router$", "re:.*feed_forward.(gate|up|down)_proj$"]
 
 
 def prompts() -> list[list[int]]:
@@ -93,6 +94,12 @@ def _config(arch: str) -> dict[str, object]:
         return {"architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe",
                 "text_config": text, "vision_config": vision, "tie_word_embeddings": False, "image_token_id": 250,
                 "video_token_id": 251, "vision_start_token_id": 252, "vision_end_token_id": 253}
+    if arch == "llama4_text":  # MoE every second layer, chunked attention with every fourth layer global and NoPE
+        return {**common, "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text",
+                "num_hidden_layers": LLAMA4_LAYERS, "intermediate_size": INTER, "intermediate_size_mlp": 2 * INTER,
+                "num_local_experts": EXPERTS, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
+                "no_rope_layers": [1, 1, 1, 0], "attention_chunk_size": 8192, "use_qk_norm": True,
+                "floor_scale": 8192, "attn_scale": 0.1, "attn_temperature_tuning": True}
     if arch == "minimax_m2":  # sigmoid routing with a selection bias, Q/K norms over whole projections, partial RoPE
         return {**common, "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2",
                 "intermediate_size": INTER, "num_local_experts": EXPERTS, "rotary_dim": HEAD_DIM // 2,
@@ -111,6 +118,8 @@ class MoeSource:
 
 
 def _expert_names(arch: str, layer: int, e: int) -> tuple[str, str, str, str]:
+    if arch == "llama4_text":
+        return f"model.layers.{layer}.feed_forward.experts.{e}", "gate_proj", "up_proj", "down_proj"
     if arch in ("mixtral", "minimax_m2"):
         p = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
         return p, "w1", "w3", "w2"
@@ -129,8 +138,8 @@ def build_moe(arch: str, root: Path, seed: int) -> MoeSource:
     dense: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(VOCAB, H, std=1.0),
                                       "model.norm.weight": torch.ones(H), "lm_head.weight": rnd(VOCAB, H, std=0.1)}
     experts: dict[str, torch.Tensor] = {}
-    moe = "block_sparse_moe" if arch in ("mixtral", "minimax_m2") else "mlp"
-    for layer in range(LAYERS):
+    moe = {"mixtral": "block_sparse_moe", "minimax_m2": "block_sparse_moe", "llama4_text": "feed_forward"}.get(arch, "mlp")
+    for layer in range(LLAMA4_LAYERS if arch == "llama4_text" else LAYERS):
         p = f"model.layers.{layer}"
         dense[f"{p}.input_layernorm.weight"] = torch.ones(H)
         dense[f"{p}.post_attention_layernorm.weight"] = torch.ones(H)
@@ -147,7 +156,16 @@ def build_moe(arch: str, root: Path, seed: int) -> MoeSource:
             dense[f"{p}.self_attn.q_norm.weight"] = 1.0 + rnd(HEADS * HEAD_DIM, std=0.1)
             dense[f"{p}.self_attn.k_norm.weight"] = 1.0 + rnd(KV_HEADS * HEAD_DIM, std=0.1)
             dense[f"{p}.{moe}.e_score_correction_bias"] = rnd(EXPERTS, std=0.5)
-        dense[f"{p}.{moe}.gate.weight"] = rnd(EXPERTS, H, std=0.3)
+        if arch == "llama4_text" and layer % 2 == 0:  # a dense layer between MoE layers
+            for name, rows, cols in (("gate_proj", 2 * INTER, H), ("up_proj", 2 * INTER, H), ("down_proj", H, 2 * INTER)):
+                dense[f"{p}.feed_forward.{name}.weight"] = rnd(rows, cols, std=0.1)
+            continue
+        if arch == "llama4_text":  # a top-1 sigmoid router and a shared expert beside the routed ones
+            dense[f"{p}.feed_forward.router.weight"] = rnd(EXPERTS, H, std=0.3)
+            for name, rows, cols in (("gate_proj", INTER, H), ("up_proj", INTER, H), ("down_proj", H, INTER)):
+                dense[f"{p}.feed_forward.shared_expert.{name}.weight"] = rnd(rows, cols, std=0.15)
+        else:
+            dense[f"{p}.{moe}.gate.weight"] = rnd(EXPERTS, H, std=0.3)
         for e in range(EXPERTS):
             m, gate, up, down = _expert_names(arch, layer, e)
             experts[f"{m}.{gate}.weight"] = rnd(INTER, H, std=0.15)
@@ -234,7 +252,9 @@ def _modelopt_w4a16(out: Path) -> dict[str, object]:
     """ModelOpt's NVFP4 config (config.json's and hf_quant_config.json), weights only: vLLM's CPU MXFP4
     MoE backend takes W4A16, and the conversion keeps a source's activation scheme."""
     excl = ["lm_head", "model.layers.*.mlp.gate", "model.layers.*.block_sparse_moe.gate", "model.layers.*.self_attn*",
-            "model.layers.*.linear_attn*", "model.layers.*.mlp.shared_expert*"]
+            "model.layers.*.linear_attn*", "model.layers.*.mlp.shared_expert*", "model.layers.*.feed_forward.router",
+            "model.layers.*.feed_forward.shared_expert*",
+            *(f"model.layers.*.feed_forward.{p}_proj" for p in ("gate", "up", "down"))]
     producer = {"name": "modelopt", "version": "0.47.0"}
     (out / "hf_quant_config.json").write_text(json.dumps({"producer": producer, "quantization": {
         "quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": excl}}, indent=2))

@@ -31,7 +31,7 @@ from mxfp4conv.cli import cli
 from mxfp4conv.errors import EXIT_INVALID, EXIT_OK, EXIT_VERIFY
 from tests import builders, oracle
 from tests.gguf_runtime.gguf_cases import add_bpe_tokenizer
-from tests.replicas import ct_families, deepseek
+from tests.replicas import ct_families, deepseek, deepseek_v4
 from tests.serving.serving_sources import build_moe
 
 MXFP4, F32, BF16 = GGMLQuantizationType.MXFP4, GGMLQuantizationType.F32, GGMLQuantizationType.BF16
@@ -107,6 +107,15 @@ def _qwen3_vl_without_sections(root: Path) -> Path:
     return src
 
 
+def _llama4_chunked(root: Path, chunk: int) -> Path:
+    """Llama-4 with another attention chunk than the 8192 llama.cpp's llama4 fixes."""
+    src = _tokenized(ct_families.llama4(root).path)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["text_config"]["attention_chunk_size"] = chunk
+    (src / "config.json").write_text(json.dumps(cfg))
+    return src
+
+
 def _qwen35_fp4_out_proj(root: Path) -> Path:
     """A Qwen3.5 MXFP4 source whose Gated DeltaNet ``out_proj`` is MXFP4 too: llama.cpp's converter reorders
     that Linear's input columns (value heads grouped -> tiled)."""
@@ -141,10 +150,11 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Src]:
         # refused
         "no-tokenizer": builders.build("ct-mxfp4", root / "no-tokenizer", shards=1),
         "mixtral": _tokenized(build_moe("mixtral", root / "mixtral", 0).paths["ct-mxfp4"]),
-        "llama4": _tokenized(ct_families.llama4(root / "llama4").path),
+        "deepseek-v4": _tokenized(deepseek_v4.native_mxfp4_v4(root / "deepseek-v4").path),
         "fp8-block": _tokenized(deepseek.ct_mixed_nvfp4_fp8block(root / "fp8-block").path),
         "qwen35-kv-dims": _qwen35_head_dims(root / "qwen35-kv-dims"),
         "qwen3-vl-no-sections": _qwen3_vl_without_sections(root / "qwen3-vl-no-sections"),
+        "llama4-chunk-256": _llama4_chunked(root / "llama4-chunk-256", 256),
         "qwen35-fp4-out-proj": _qwen35_fp4_out_proj(root / "qwen35-fp4-out-proj"),
     }
     return {k: Src(p, json.loads((p / "config.json").read_text())) for k, p in paths.items()}
@@ -560,17 +570,19 @@ def test_inspect_refuses_gguf_without_a_tokenizer(sources: dict[str, Src]) -> No
 
 
 @pytest.mark.parametrize(("name", "extra", "says"), [
-    ("llama4", [], ["'llama4'", "deepseek_v3", "gpt_oss", "kimi_k2", "minimax_m2", "mixtral", "qwen3_moe", "qwen3_next",
-                    "qwen3_vl_moe"]),
+    ("deepseek-v4", [], ["'deepseek_v4'", "deepseek_v3", "gpt_oss", "kimi_k2", "llama4", "minimax_m2", "mixtral",
+                         "qwen3_moe", "qwen3_next", "qwen3_vl_moe"]),
     ("modelopt-nvfp4", ["--keep-nvfp4"], ["--keep-nvfp4", "MXFP4"]),
     ("mixtral", ["--keep-nvfp4"], ["--keep-nvfp4", "MXFP4"]),
     ("fp8-block", [], ["model.layers.0.self_attn.kv_b_proj", "fp8-block", "FP8"]),
     ("no-tokenizer", [], ["tokenizer.json", "no tokenizer"]),
-    ("qwen35-kv-dims", [], ["config.json", "Gated DeltaNet", "qwen35moe needs them equal"]),
+    ("qwen35-kv-dims", [], ["config.json", "Gated DeltaNet", "ssm.state_size"]),
     ("qwen35-fp4-out-proj", [], ["model.layers.0.linear_attn.out_proj", "input columns", "--to ct"]),
     ("qwen3-vl-no-sections", [], ["config.json", "mrope_section", "qwen3vlmoe"]),
+    ("llama4-chunk-256", [], ["config.json", "attention_chunk_size 256", "llama4 fixes 8192"]),
 ], ids=["unknown-architecture", "keep-nvfp4", "keep-nvfp4-mxfp4-source", "fp8-layer", "no-tokenizer",
-        "qwen35-value-heads-wider", "qwen35-fp4-out-proj", "qwen3-vl-no-mrope-sections"])
+        "qwen35-value-heads-wider", "qwen35-fp4-out-proj", "qwen3-vl-no-mrope-sections",
+        "llama4-attention-chunk"])
 def test_refusals_at_planning(sources: dict[str, Src], tmp_path: Path, name: str, extra: list[str],
                               says: list[str]) -> None:
     parent = tmp_path / "out"
