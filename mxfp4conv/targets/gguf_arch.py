@@ -1,5 +1,7 @@
-"""The architectures ``--to gguf`` writes, as llama.cpp names and reads them: each one's tensor names
-(HF suffix -> GGUF suffix) and its hyper-parameters from config.json (``ARCHS``)."""
+"""The architectures ``--to gguf`` writes, as llama.cpp names and reads them (``ARCHS``): each one's tensor
+names (HF suffix -> GGUF suffix), its hyper-parameters from config.json, what llama.cpp's converter does to
+a tensor beyond naming it (``Reshape``: rows moved, a fused projection split, values transformed) and the
+config values its llama.cpp graph has no form for (``Arch.refusal``)."""
 
 from __future__ import annotations
 
@@ -323,7 +325,7 @@ def _qwen35moe(cfg: Mapping[str, Any]) -> list[KV]:
             KV("rope.dimension_sections", VType.ARRAY, sections + [0] * (4 - len(sections)), VType.INT32)]
 
 
-def _v_tiled(cfg: Mapping[str, Any], head: int, offset: int = 0, before: int = 0) -> torch.Tensor:
+def _v_tiled(cfg: Mapping[str, Any], head: int, before: int = 0) -> torch.Tensor:
     """Gated DeltaNet's value heads from grouped by key head (``[K0: v0..v(r-1), K1: ...]``, the checkpoint's)
     to tiled (``[v0 of K0, v0 of K1, ..., v1 of K0, ...]``, what ggml's broadcast expects), ``head`` rows per
     value head, after ``before`` rows kept in place."""
@@ -331,7 +333,7 @@ def _v_tiled(cfg: Mapping[str, Any], head: int, offset: int = 0, before: int = 0
 
     nk, nv = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
     v = torch.arange(nv * head).reshape(nk, nv // nk, head).transpose(0, 1).reshape(-1)
-    return torch.cat([torch.arange(before), v + before + offset])
+    return torch.cat([torch.arange(before), v + before])
 
 
 def _plus_one(t: torch.Tensor) -> torch.Tensor:
@@ -388,6 +390,13 @@ def _qwen35_reshape(suffix: str, cfg: Mapping[str, Any]) -> Reshape | None:
                                                                                                   values)
 
 
+def _deltanet_refusal(cfg: Mapping[str, Any]) -> str | None:
+    if cfg.get("linear_key_head_dim") != cfg.get("linear_value_head_dim"):
+        return (f"config.json: Gated DeltaNet key heads of {cfg.get('linear_key_head_dim')} and value heads of "
+                f"{cfg.get('linear_value_head_dim')}: llama.cpp sizes both from one key (ssm.state_size)")
+    return None
+
+
 _QWEN35 = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
            **_QKVO, "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
            "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
@@ -399,20 +408,19 @@ _QWEN35 = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layerno
            "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight"}
 # the text model of Qwen3.5-MoE: a multimodal release's vision tower goes to llama.cpp's separate mmproj GGUF, which
 # this target does not write, and its MTP block is left out as llama.cpp's converter leaves it with --no-mtp
-def _deltanet_refusal(cfg: Mapping[str, Any]) -> str | None:
-    if cfg.get("linear_key_head_dim") != cfg.get("linear_value_head_dim"):
-        return (f"config.json: Gated DeltaNet key heads of {cfg.get('linear_key_head_dim')} and value heads of "
-                f"{cfg.get('linear_value_head_dim')}: llama.cpp sizes both from one key (ssm.state_size)")
-    return None
-
-
 ARCHS["qwen3_5_moe"] = Arch("qwen35moe", _QWEN35, _qwen35moe, drop=("model.visual.", "mtp.", "model.mtp."),
                             reshape=_qwen35_reshape, refusal=_deltanet_refusal)
 ARCHS["qwen3_5_moe_text"] = ARCHS["qwen3_5_moe"]
+
+
 # Qwen3-Next: Qwen3.5's names, its fused projections as its llama.cpp converter writes them (in_proj_qkvz split
 # into attn_qkv / attn_gate, in_proj_ba as it is) and value heads in the checkpoint's order; its MTP block left out
 _QWEN3NEXT = {**{k: v for k, v in _QWEN35.items() if not k.startswith("linear_attn.in_proj_")},
               "linear_attn.in_proj_qkvz.weight": "attn_qkv.weight", "linear_attn.in_proj_ba.weight": "ssm_ba.weight"}
+ARCHS["qwen3_next"] = Arch("qwen3next", _QWEN3NEXT, _qwen3next, drop=("mtp.", "model.mtp."), reshape=_qwen3next_reshape,
+                           refusal=_deltanet_refusal)
+
+
 def _qwen3vlmoe(cfg: Mapping[str, Any]) -> list[KV]:
     # Qwen3-MoE's keys, its interleaved MRoPE sections, and how many layers add the vision tower's deepstack features
     sections = [int(x) for x in rope_config(cfg)["mrope_section"]][:4]
@@ -421,13 +429,13 @@ def _qwen3vlmoe(cfg: Mapping[str, Any]) -> list[KV]:
             _u32("n_deepstack_layers", deepstack)]
 
 
-# Qwen3-VL-MoE: the text model (the vision tower goes to llama.cpp's separate mmproj GGUF, not written here)
 def _mrope_refusal(cfg: Mapping[str, Any]) -> str | None:
     if "mrope_section" in rope_config(cfg):
         return None
     return "config.json: text_config gives no mrope_section, which llama.cpp's qwen3vlmoe needs"
 
 
+# Qwen3-VL-MoE: the text model (the vision tower goes to llama.cpp's separate mmproj GGUF, not written here)
 ARCHS["qwen3_vl_moe"] = Arch("qwen3vlmoe", ARCHS["qwen3_moe"].layer_names, _qwen3vlmoe, drop=("model.visual.",),
                              refusal=_mrope_refusal)
 
@@ -444,8 +452,6 @@ ARCHS["minimax_m2"] = Arch("minimax-m2", {**_NORMS, **_QKVO, "self_attn.q_norm.w
                                           "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
                                           "block_sparse_moe.e_score_correction_bias": "exp_probs_b.bias"},
                            _minimax_m2, experts="block_sparse_moe.experts")
-ARCHS["qwen3_next"] = Arch("qwen3next", _QWEN3NEXT, _qwen3next, drop=("mtp.", "model.mtp."), reshape=_qwen3next_reshape,
-                           refusal=_deltanet_refusal)
 
 
 def _llama4(cfg: Mapping[str, Any]) -> list[KV]:
