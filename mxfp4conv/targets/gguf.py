@@ -225,8 +225,9 @@ class GgufTarget(Target):
         if arch.refusal is not None and (why := arch.refusal(cfg)):
             return why
         rope = rope_config(cfg)["rope_type"]
-        if rope not in ("default", "yarn", None):
-            return f"config.json: rope_type {rope!r} is not one this target writes for llama.cpp (default, yarn)"
+        if rope not in (*arch.ropes, None):
+            return (f"config.json: rope_type {rope!r} is not one this target writes for llama.cpp's {arch.name} "
+                    f"({', '.join(arch.ropes)})")
         for lin in ctx.precision.fp8.values():
             return (f"{lin.module}: {lin.kind} ({lin.scale} {lin.scale_dtype}) has no GGUF type (GGUF has no FP8 "
                     "scheme); --to ct or --to quark carry it")
@@ -337,7 +338,9 @@ class GgufTarget(Target):
             return [OutTensor(name, self._out_dtype(spec, ctx), shape)]
         names = [f"{name.rsplit('.', 2)[0]}.{part}" for part, _ in r.parts] if r.parts else [name]
         dtype = "F32" if r.values is not None else self._out_dtype(spec, ctx)
-        return [OutTensor(n, dtype, s) for n, s in zip(names, r.shapes(shape), strict=True)]
+        types = [dtype] * len(names) + ["F32"] * len(r.extra)
+        return [OutTensor(n, t, s) for n, t, s in zip(names + [n for n, _ in r.extra], types, r.shapes(shape),
+                                                        strict=True)]
 
     def encode(self, unit: Canonical, spec: UnitSpec, ctx: WriterContext) -> list[torch.Tensor]:
         from mxfp4conv.kernels.ggml_native import to_ggml_mxfp4
@@ -370,8 +373,8 @@ class GgufTarget(Target):
         assert isinstance(unit, Passthrough)
         if self._mla(spec, ctx):
             return _mla_parts(unit.tensor, ctx.src_config)
-        wide = self.out_specs(spec, ctx)[0].dtype == "F32"
-        return [t.float() if wide else t for t in ([unit.tensor] if r is None else r.apply(unit.tensor))]
+        pieces = [unit.tensor] if r is None else r.apply(unit.tensor)
+        return [t.float() if o.dtype == "F32" else t for o, t in zip(self.out_specs(spec, ctx), pieces, strict=True)]
 
     def decode(self, spec: UnitSpec, ctx: WriterContext, get: Getter) -> Canonical:
         got = self._decode(spec, ctx, get)

@@ -30,6 +30,7 @@ SHARDED = "qwen3_moe-ct-mxfp4--split"
 NEGATIVE_NORMS = "qwen3_5_moe-ct-mxfp4--norms-unshifted"
 NEGATIVE_V_HEADS = "qwen3_5_moe-ct-mxfp4--v-heads-grouped"
 NEGATIVE_QKVZ = "qwen3_next-ct-mxfp4--qkvz-unsplit"
+NEGATIVE_ROPE = "llama4-llama3-rope-ct-mxfp4--freqs-unscaled"
 
 
 def llama_python() -> str | None:
@@ -100,6 +101,11 @@ def llama_ran(tmp_path_factory: pytest.TempPathFactory) -> Ran:
                           (NEGATIVE_V_HEADS, C.group_v_heads(qwen35.dst, root / "out" / NEGATIVE_V_HEADS, cfg))):
             todo.append({**C.expectations(qwen35), "name": name, "model": str(neg / "model.gguf")})
             ran.references[name] = ran.references[qwen35.name]
+    scout = ran.cases.get("llama4-llama3-rope-ct-mxfp4")
+    if scout is not None:
+        neg = C.unscale_rope(scout.dst, root / "out" / NEGATIVE_ROPE)
+        todo.append({**C.expectations(scout), "name": NEGATIVE_ROPE, "model": str(neg / "model.gguf")})
+        ran.references[NEGATIVE_ROPE] = ran.references[scout.name]
     qwen3_next = ran.cases.get("qwen3_next-ct-mxfp4")
     if qwen3_next is not None:
         cfg = json.loads((qwen3_next.src / "config.json").read_text())

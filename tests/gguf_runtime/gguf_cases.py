@@ -159,6 +159,8 @@ def sources(root: Path) -> list[Case]:
     llama4 = build_moe("llama4_text", root / "llama4", seed=8)
     for layout in ("ct-mxfp4", "modelopt-nvfp4"):
         out[f"llama4-{layout}"] = (llama4.paths[layout], "llama4_text")
+    out["llama4-llama3-rope-ct-mxfp4"] = (_with_llama3_rope(llama4.paths["ct-mxfp4"], root / "llama4-llama3"),
+                                          "llama4_text")
     qwen3_vl = build_moe("qwen3_vl_moe", root / "qwen3-vl", seed=7)
     for layout in ("ct-mxfp4", "ct-nvfp4"):
         out[f"qwen3_vl_moe-{layout}"] = (qwen3_vl.paths[layout], "qwen3_vl_moe")
@@ -178,6 +180,17 @@ def sources(root: Path) -> list[Case]:
         cases.append(Case(f"{base.name}--keep-nvfp4", base.src, root / "out" / f"{base.name}--keep-nvfp4",
                           base.model_type, base.nvfp4, ("--keep-nvfp4",)))
     return cases
+
+
+def _with_llama3_rope(src: Path, dst: Path) -> Path:
+    """Llama-4 Scout's RoPE scaling (``llama3``), its original context shortened to 16 so that the prompt's
+    positions reach the scaled frequencies of every kind (kept, divided, blended)."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 16}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
 
 
 def _with_yarn(src: Path) -> Path:
@@ -382,6 +395,11 @@ def group_v_heads(dst: Path, out: Path, cfg: dict[str, Any]) -> Path:
         return None
 
     return _rewrite(dst, out, change)
+
+
+def unscale_rope(dst: Path, out: Path) -> Path:
+    """Llama-4's ``rope_freqs`` set to 1 (its RoPE scaling dropped): a negative control."""
+    return _rewrite(dst, out, lambda name, a: np.ones_like(a) if name == "rope_freqs.weight" else None)
 
 
 def unsplit_qkvz(dst: Path, out: Path, cfg: dict[str, Any]) -> Path:

@@ -35,6 +35,7 @@ from tests.gguf_runtime.conftest import (
     NEGATIVE_NORMS,
     NEGATIVE_QK,
     NEGATIVE_QKVZ,
+    NEGATIVE_ROPE,
     NEGATIVE_V_HEADS,
     SHARDED,
     Ran,
@@ -50,7 +51,7 @@ CASES = ["qwen3_moe-ct-mxfp4", "qwen3_moe-modelopt-nvfp4", "qwen3_moe-ct-nvfp4",
          "granitemoe-ct-mxfp4", "mixtral-ct-mxfp4", "mixtral-ct-nvfp4", "qwen3_5_moe-ct-mxfp4", "qwen3_5_moe-ct-nvfp4",
          "qwen3_5_moe-modelopt-nvfp4", "qwen3_next-ct-mxfp4", "qwen3_next-modelopt-nvfp4", "minimax_m2-ct-mxfp4",
          "minimax_m2-modelopt-nvfp4", "qwen3_vl_moe-ct-mxfp4", "qwen3_vl_moe-ct-nvfp4", "llama4-ct-mxfp4",
-         "llama4-modelopt-nvfp4", SHARDED]
+         "llama4-modelopt-nvfp4", "llama4-llama3-rope-ct-mxfp4", SHARDED]
 
 
 def _result(ran: Ran, name: str) -> dict[str, Any]:
@@ -88,12 +89,12 @@ def test_llama_cpp_generates(llama_ran: Ran, name: str) -> None:
     assert r["generated_tokens"] > 0, r
 
 
-@pytest.mark.parametrize("name", [NEGATIVE, NEGATIVE_QK, NEGATIVE_NORMS, NEGATIVE_V_HEADS, NEGATIVE_QKVZ])
+@pytest.mark.parametrize("name", [NEGATIVE, NEGATIVE_QK, NEGATIVE_NORMS, NEGATIVE_V_HEADS, NEGATIVE_QKVZ, NEGATIVE_ROPE])
 def test_the_negative_controls_fail_the_logits_check(llama_ran: Ran, record: Any, name: str) -> None:
     """Gate and up swapped in one layer; Mixtral's Q and K rows left in the checkpoint's order; Qwen3.5's
     RMSNorm weights without the 1 its (1 + weight) norms add, and its Gated DeltaNet value heads left grouped
-    by key head; Qwen3-Next's in_proj_qkvz cut in the checkpoint's order: llama.cpp loads each, and the
-    logits say so."""
+    by key head; Qwen3-Next's in_proj_qkvz cut in the checkpoint's order; Llama-4's rope_freqs all 1 (its
+    llama3 RoPE scaling dropped): llama.cpp loads each, and the logits say so."""
     r = _result(llama_ran, name)
     ref = llama_ran.references[name]["reference_written"]
     d = _rel(np.array(r["logits"]), ref, ref)
