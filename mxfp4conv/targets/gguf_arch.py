@@ -92,6 +92,10 @@ def _glm4moe(cfg: Mapping[str, Any]) -> list[KV]:
            f32("expert_weights_scale", cfg.get("routed_scaling_factor", 1.0))]
     if cfg.get("norm_topk_prob"):
         out.append(KV("expert_weights_norm", VType.BOOL, True))
+    nextn = cfg.get("num_nextn_predict_layers")
+    if isinstance(nextn, int):  # its MTP blocks count as layers past the trunk, as llama.cpp's converter writes them
+        out = [u32("block_count", cfg["num_hidden_layers"] + nextn) if kv.key == "block_count" else kv for kv in out]
+        out.append(u32("nextn_predict_layers", nextn))
     return out
 
 
@@ -115,13 +119,17 @@ ARCHS: dict[str, Arch] = {
                         _deepseek2, mla=True, mtp=True),
 }
 ARCHS["kimi_k2"] = ARCHS["deepseek_v3"]
-# GLM-4.5 / 4.6: its MTP layers (past num_hidden_layers) are left out, as for DeepSeek; llama.cpp then runs the trunk
+# what an MTP (NextN) block past num_hidden_layers holds beside a layer's own tensors, as llama.cpp names it
+_NEXTN = {"eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
+          "hnorm.weight": "nextn.hnorm.weight", "shared_head.norm.weight": "nextn.shared_head_norm.weight",
+          "shared_head.head.weight": "nextn.shared_head_head.weight", "embed_tokens.weight": "nextn.embed_tokens.weight"}
+# GLM-4.5 / 4.6: its MTP block written as llama.cpp's converter writes it (llama.cpp drafts tokens with it)
 ARCHS["glm4_moe"] = Arch("glm4moe", {"input_layernorm.weight": "attn_norm.weight",
                                      "post_attention_layernorm.weight": "post_attention_norm.weight", **QKVO,
                                      "self_attn.q_norm.weight": "attn_q_norm.weight",
                                      "self_attn.k_norm.weight": "attn_k_norm.weight", **_MLP, **_SHARED,
                                      "mlp.gate.weight": "ffn_gate_inp.weight",
-                                     "mlp.gate.e_score_correction_bias": "exp_probs_b.bias"}, _glm4moe, mtp=True)
+                                     "mlp.gate.e_score_correction_bias": "exp_probs_b.bias", **_NEXTN}, _glm4moe)
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 

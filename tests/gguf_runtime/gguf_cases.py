@@ -225,8 +225,11 @@ def fp4_values(case: Case, written: bool) -> dict[str, np.ndarray]:
 
 
 def _state(case: Case, written: bool) -> dict[str, torch.Tensor]:
-    """The source as float32 parameters of transformers' model (per-expert Linears stacked as it holds them)."""
-    fp4 = fp4_values(case, written)
+    """The source as float32 parameters of transformers' model (per-expert Linears stacked as it holds them); an
+    MTP block (layers past num_hidden_layers) is not part of the model's forward."""
+    cfg = json.loads((case.src / "config.json").read_text())
+    layers = int(cfg.get("num_hidden_layers") or cfg["text_config"]["num_hidden_layers"])
+    fp4 = {m: v for m, v in fp4_values(case, written).items() if not _past(m, layers)}
     state: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, dict[int, np.ndarray]]] = {}
     for module, v in fp4.items():
@@ -251,17 +254,19 @@ def _state(case: Case, written: bool) -> dict[str, torch.Tensor]:
             state[f"{c}.experts.gate_up_proj"] = torch.from_numpy(np.concatenate([gate, up], 1))
             state[f"{c}.experts.down_proj"] = torch.from_numpy(down)
     owned = tuple(f"{m}." for m in fp4)
-    cfg = json.loads((case.src / "config.json").read_text())
-    layers = int(cfg.get("num_hidden_layers") or cfg["text_config"]["num_hidden_layers"])
     for name, t in load_tensors(case.src).items():
-        m = re.match(r"^model\.layers\.(\d+)\.", name)
-        if m is not None and int(m[1]) >= layers:  # an MTP layer: not part of the model's forward
+        if _past(name, layers):
             continue
         if name.endswith((".k_scale", ".v_scale")):  # an FP8 KV cache's scales: the reference computes in float32
             continue
         if not name.startswith(owned) and t.dtype in (torch.bfloat16, torch.float16, torch.float32):
             state[_module(name.replace(".router.layer.", ".router."), case.model_type)] = t.float()  # GraniteMoE: llm-compressor's
     return state
+
+
+def _past(name: str, layers: int) -> bool:
+    m = re.match(r"^model\.layers\.(\d+)\.", name)
+    return m is not None and int(m[1]) >= layers
 
 
 def _module(name: str, model_type: str) -> str:

@@ -271,7 +271,9 @@ def llama4(root: Path) -> Replica:
 
 def glm45(root: Path) -> Replica:
     """GLM-4.5(-Air) NVFP4A16: layer 0 a dense NVFP4 MLP, layer 1 MoE with ``mlp.gate`` +
-    ``e_score_correction_bias``, shared experts; attention (q/k/v with bias) BF16."""
+    ``e_score_correction_bias``, shared experts; attention (q/k/v with bias) BF16; layer 2 its MTP block
+    (``num_nextn_predict_layers`` 1): a MoE layer with ``eh_proj`` [H, 2H], ``enorm``, ``hnorm`` and
+    ``shared_head.norm`` BF16 beside it."""
     root.mkdir(parents=True)
     s = Sink(73)
 
@@ -281,10 +283,14 @@ def glm45(root: Path) -> Replica:
     s.embedding("model.embed_tokens", VOCAB, H)
     s.norm("model.norm", H)
     s.bf16("lm_head", VOCAB, H)
-    for n in range(2):
+    for n in range(3):
         p = f"model.layers.{n}"
         s.norm(f"{p}.input_layernorm", H)
         s.norm(f"{p}.post_attention_layernorm", H)
+        if n == 2:
+            s.bf16(f"{p}.eh_proj", H, 2 * H)
+            for ln in ("enorm", "hnorm", "shared_head.norm"):
+                s.norm(f"{p}.{ln}", H)
         a = f"{p}.self_attn"
         s.bf16(f"{a}.q_proj", 2 * HEAD_DIM, H, bias=True)
         s.bf16(f"{a}.k_proj", HEAD_DIM, H, bias=True)
@@ -302,11 +308,11 @@ def glm45(root: Path) -> Replica:
            "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "num_hidden_layers": 2,
            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": HEAD_DIM, "attention_bias": True,
            "use_qk_norm": False, "partial_rotary_factor": 0.5, "topk_method": "noaux_tc", "n_group": 1,
-           "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0, "num_nextn_predict_layers": 0,
+           "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0, "num_nextn_predict_layers": 1,
            "vocab_size": VOCAB, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "max_position_embeddings": 512,
            "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
            "quantization_config": ct_config({"group_0": ct_group("nvfp4", ["Linear"], w4a4=False)},
-                                            ["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"],
+                                            ["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$", "re:.*eh_proj$"],
                                             fmt="nvfp4-pack-quantized")}
     _finish(root, s, cfg)
     return Replica(path=root, family="ct-nvfp4-glm45", layout="ct-nvfp4", scheme="w4a16", modules=dict(s.modules),

@@ -329,6 +329,31 @@ def test_qwen35_release_is_llama_cpp_s_qwen35moe_text_model(tmp_path: Path) -> N
     assert res.exit_code == EXIT_OK, res.stderr
 
 
+def test_glm45_mtp_block_is_llama_cpp_s_nextn_block(tmp_path: Path) -> None:
+    """GLM-4.5's MTP block (layer num_hidden_layers) is written as llama.cpp's converter writes it: one more block,
+    ``nextn_predict_layers``, its ``eh_proj`` / ``enorm`` / ``hnorm`` / ``shared_head.norm`` under ``blk.N.nextn.*``
+    and its experts stacked as any layer's."""
+    from tests.producers.producers_lib import load_tensors
+
+    src = _tokenized(ct_families.glm45(tmp_path / "src").path)
+    res = _convert(src, tmp_path / "out")
+    assert res.exit_code == EXIT_OK, res.stderr
+    r, cfg = _reader(tmp_path / "out"), json.loads((src / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    assert _value(r, "glm4moe.block_count") == n + 1 and _value(r, "glm4moe.nextn_predict_layers") == 1
+    by = {t.name: t for t in r.tensors}
+    t = load_tensors(src)
+    eh = by[f"blk.{n}.nextn.eh_proj.weight"]
+    assert eh.tensor_type == BF16 and _ne(eh) == [2 * cfg["hidden_size"], cfg["hidden_size"]]
+    for gg, hf in (("enorm", "enorm"), ("hnorm", "hnorm"), ("shared_head_norm", "shared_head.norm")):
+        got = np.asarray(by[f"blk.{n}.nextn.{gg}.weight"].data).reshape(-1)
+        assert by[f"blk.{n}.nextn.{gg}.weight"].tensor_type == F32
+        assert np.array_equal(got, t[f"model.layers.{n}.{hf}.weight"].float().numpy()), gg
+    assert by[f"blk.{n}.ffn_gate_exps.weight"].tensor_type == MXFP4 and f"blk.{n}.attn_q.weight" in by
+    res = CliRunner().invoke(cli, ["verify", str(src), str(tmp_path / "out")])
+    assert res.exit_code == EXIT_OK, res.stderr
+
+
 # ------------------------------------------------------------------ tensors
 def _source_name(gguf_name: str, arch: str) -> str:
     if gguf_name in GLOBAL:
