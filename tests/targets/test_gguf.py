@@ -107,6 +107,15 @@ def _qwen3_vl_without_sections(root: Path) -> Path:
     return src
 
 
+def _glm45_mtp_unlisted(root: Path) -> Path:
+    """GLM-4.5 with its MTP layer on disk but ``num_nextn_predict_layers`` 0: llama.cpp would find tensors of a
+    block its header does not count."""
+    src = _tokenized(ct_families.glm45(root).path)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
+    return src
+
+
 def _llama4_chunked(root: Path, chunk: int) -> Path:
     """Llama-4 with another attention chunk than the 8192 llama.cpp's llama4 fixes."""
     src = _tokenized(ct_families.llama4(root).path)
@@ -155,6 +164,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Src]:
         "qwen35-kv-dims": _qwen35_head_dims(root / "qwen35-kv-dims"),
         "qwen3-vl-no-sections": _qwen3_vl_without_sections(root / "qwen3-vl-no-sections"),
         "llama4-chunk-256": _llama4_chunked(root / "llama4-chunk-256", 256),
+        "glm45-mtp-unlisted": _glm45_mtp_unlisted(root / "glm45-mtp-unlisted"),
         "qwen35-fp4-out-proj": _qwen35_fp4_out_proj(root / "qwen35-fp4-out-proj"),
     }
     return {k: Src(p, json.loads((p / "config.json").read_text())) for k, p in paths.items()}
@@ -605,9 +615,10 @@ def test_inspect_refuses_gguf_without_a_tokenizer(sources: dict[str, Src]) -> No
     ("qwen35-fp4-out-proj", [], ["model.layers.0.linear_attn.out_proj", "input columns", "--to ct"]),
     ("qwen3-vl-no-sections", [], ["config.json", "mrope_section", "qwen3vlmoe"]),
     ("llama4-chunk-256", [], ["config.json", "attention_chunk_size 256", "llama4 fixes 8192"]),
+    ("glm45-mtp-unlisted", [], ["model.layers.2.", "num_hidden_layers (2)", "MTP blocks (0)"]),
 ], ids=["unknown-architecture", "keep-nvfp4", "keep-nvfp4-mxfp4-source", "fp8-layer", "no-tokenizer",
         "qwen35-value-heads-wider", "qwen35-fp4-out-proj", "qwen3-vl-no-mrope-sections",
-        "llama4-attention-chunk"])
+        "llama4-attention-chunk", "glm45-mtp-not-in-config"])
 def test_refusals_at_planning(sources: dict[str, Src], tmp_path: Path, name: str, extra: list[str],
                               says: list[str]) -> None:
     parent = tmp_path / "out"
