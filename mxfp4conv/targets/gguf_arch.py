@@ -191,7 +191,7 @@ def _llama(cfg: Mapping[str, Any]) -> list[KV]:
 
 
 ARCHS["mixtral"] = Arch("llama", {**NORMS, **QKVO, "block_sparse_moe.gate.weight": "ffn_gate_inp.weight"}, _llama,
-                        experts="block_sparse_moe.experts", reshape=_rotary_pairs)
+                        experts="block_sparse_moe.experts", reshape=_rotary_pairs, nvfp4_scales=True)
 
 
 ARCHS["qwen3_5_moe"] = ARCHS["qwen3_5_moe_text"] = QWEN35_MOE

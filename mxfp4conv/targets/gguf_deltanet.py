@@ -129,7 +129,7 @@ _QWEN35 = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layerno
 # the text model of Qwen3.5-MoE: a multimodal release's vision tower goes to llama.cpp's separate mmproj GGUF, which
 # this target does not write, and its MTP block is left out as llama.cpp's converter leaves it with --no-mtp
 QWEN35_MOE = Arch("qwen35moe", _QWEN35, _qwen35moe, drop=("model.visual.", "mtp.", "model.mtp."),
-                  reshape=_qwen35_reshape, refusal=_deltanet_refusal)
+                  reshape=_qwen35_reshape, refusal=_deltanet_refusal, nvfp4_scales=True)
 
 
 # Qwen3-Next: Qwen3.5's names, its fused projections as its llama.cpp converter writes them (in_proj_qkvz split
@@ -137,4 +137,4 @@ QWEN35_MOE = Arch("qwen35moe", _QWEN35, _qwen35moe, drop=("model.visual.", "mtp.
 _QWEN3NEXT = {**{k: v for k, v in _QWEN35.items() if not k.startswith("linear_attn.in_proj_")},
               "linear_attn.in_proj_qkvz.weight": "attn_qkv.weight", "linear_attn.in_proj_ba.weight": "ssm_ba.weight"}
 QWEN3_NEXT = Arch("qwen3next", _QWEN3NEXT, _qwen3next, drop=("mtp.", "model.mtp."), reshape=_qwen3next_reshape,
-                  refusal=_deltanet_refusal)
+                  refusal=_deltanet_refusal, nvfp4_scales=True)

@@ -32,7 +32,8 @@ PROMPT = [int(x) for x in np.random.default_rng(20261206).integers(3, 250, 16)]
 _EXPERT = re.compile(r"^(?P<c>.+)\.experts\.(?P<e>\d+)\.(?P<p>gate_proj|up_proj|down_proj|w1|w3|w2)$")
 _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Mixtral's expert names on disk
 # NVFP4 sources whose dims are whole GGML NVFP4 blocks (64 inputs): also converted with --keep-nvfp4
-KEEP = ("qwen3_moe-modelopt-nvfp4-h128",)
+KEEP = ("qwen3_moe-modelopt-nvfp4-h128", "qwen3_5_moe-modelopt-nvfp4", "qwen3_next-modelopt-nvfp4",
+        "mixtral-modelopt-nvfp4")
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -151,7 +152,7 @@ def sources(root: Path) -> list[Case]:
     out["qwen3_moe-modelopt-nvfp4-h128"] = (build_moe("qwen3_moe", root / "h128", seed=3).paths["modelopt-nvfp4"],
                                             "qwen3_moe")
     mixtral = build_moe("mixtral", root / "mixtral", seed=2)
-    for layout in ("ct-mxfp4", "ct-nvfp4"):
+    for layout in ("ct-mxfp4", "ct-nvfp4", "modelopt-nvfp4"):
         out[f"mixtral-{layout}"] = (mixtral.paths[layout], "mixtral")
     qwen35 = build_moe("qwen3_5_moe_text", root / "qwen35", seed=4)
     for layout in ("ct-mxfp4", "ct-nvfp4", "modelopt-nvfp4"):

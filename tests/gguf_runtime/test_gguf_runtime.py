@@ -1,8 +1,8 @@
 """``--to gguf`` outputs computed by llama.cpp itself (llama-cpp-python 0.3.36's llama.cpp on this CPU).
 
 Per case (every input layout on a tiny Qwen3-MoE, AutoRound's Qwen3-MoE with FP4 attention, GPT-OSS,
-DeepSeek-R1's NVFP4 and Quark MXFP4 replicas, a Qwen3-MoE NVFP4 source also kept as GGML NVFP4 with
-``--keep-nvfp4``, GLM-4.5, GraniteMoE, Mixtral, Qwen3.5-MoE, Qwen3-Next, MiniMax-M2, Qwen3-VL-MoE's text model and Llama-4, an output split by
+DeepSeek-R1's NVFP4 and Quark MXFP4 replicas, Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next and Mixtral ModelOpt NVFP4
+sources also kept as GGML NVFP4 with ``--keep-nvfp4``, GLM-4.5, GraniteMoE, Mixtral, Qwen3.5-MoE, Qwen3-Next, MiniMax-M2, Qwen3-VL-MoE's text model and Llama-4, an output split by
 ``--max-shard-size``): llama.cpp loads the GGUF; the prompt's logits agree with transformers' float32
 model of the source; greedy generation produces tokens. The negative controls (gate and up swapped in one
 layer, and each re-layout of a converter's done wrong: Q/K rows, Qwen3.5's norms and value heads,
@@ -48,7 +48,9 @@ CASES = ["qwen3_moe-ct-mxfp4", "qwen3_moe-modelopt-nvfp4", "qwen3_moe-ct-nvfp4",
          "qwen3_moe-quark-nvfp4",
          "qwen3_moe-autoround-mxfp4", "gpt_oss", "deepseek_v3-modelopt-nvfp4-r1", "deepseek_v3-quark-mxfp4-r1",
          "qwen3_moe-modelopt-nvfp4-h128", "qwen3_moe-modelopt-nvfp4-h128--keep-nvfp4", "glm4_moe-ct-nvfp4",
-         "granitemoe-ct-mxfp4", "mixtral-ct-mxfp4", "mixtral-ct-nvfp4", "qwen3_5_moe-ct-mxfp4", "qwen3_5_moe-ct-nvfp4",
+         "granitemoe-ct-mxfp4", "mixtral-ct-mxfp4", "mixtral-ct-nvfp4", "mixtral-modelopt-nvfp4",
+         "mixtral-modelopt-nvfp4--keep-nvfp4", "qwen3_5_moe-modelopt-nvfp4--keep-nvfp4",
+         "qwen3_next-modelopt-nvfp4--keep-nvfp4", "qwen3_5_moe-ct-mxfp4", "qwen3_5_moe-ct-nvfp4",
          "qwen3_5_moe-modelopt-nvfp4", "qwen3_next-ct-mxfp4", "qwen3_next-modelopt-nvfp4", "minimax_m2-ct-mxfp4",
          "minimax_m2-modelopt-nvfp4", "qwen3_vl_moe-ct-mxfp4", "qwen3_vl_moe-ct-nvfp4", "llama4-ct-mxfp4",
          "llama4-modelopt-nvfp4", "llama4-llama3-rope-ct-mxfp4", SHARDED]
