@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,18 @@ def require_llama() -> str:
     return py
 
 
+# negative control -> (the case whose output it rewrites, how: (output, copy, source config) -> copy)
+_NEGATIVES: dict[str, tuple[str, Callable[[Path, Path, dict[str, Any]], Path]]] = {
+    NEGATIVE: ("qwen3_moe-ct-mxfp4", lambda dst, out, cfg: C.swap_gate_up(dst, out)),
+    NEGATIVE_QK: ("mixtral-ct-mxfp4", lambda dst, out, cfg: C.unpermute_qk(
+        dst, out, int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"]))),
+    NEGATIVE_NORMS: ("qwen3_5_moe-ct-mxfp4", lambda dst, out, cfg: C.unshift_norms(dst, out)),
+    NEGATIVE_V_HEADS: ("qwen3_5_moe-ct-mxfp4", C.group_v_heads),
+    NEGATIVE_ROPE: ("llama4-llama3-rope-ct-mxfp4", lambda dst, out, cfg: C.unscale_rope(dst, out)),
+    NEGATIVE_QKVZ: ("qwen3_next-ct-mxfp4", C.unsplit_qkvz),
+}
+
+
 @dataclass
 class Ran:
     cases: dict[str, C.Case]
@@ -87,36 +100,15 @@ def llama_ran(tmp_path_factory: pytest.TempPathFactory) -> Ran:
         ran.references[case.name] = {"reference": C.reference_logits(case, written=False),
                                      "reference_written": C.reference_logits(case, written=True)}
         todo.append(C.expectations(case))
-    mixtral = ran.cases.get("mixtral-ct-mxfp4")
-    if mixtral is not None:
-        cfg = json.loads((mixtral.src / "config.json").read_text())
-        neg = C.unpermute_qk(mixtral.dst, root / "out" / NEGATIVE_QK, int(cfg["num_attention_heads"]),
-                             int(cfg["num_key_value_heads"]))
-        todo.append({**C.expectations(mixtral), "name": NEGATIVE_QK, "model": str(neg / "model.gguf")})
-        ran.references[NEGATIVE_QK] = ran.references[mixtral.name]
-    qwen35 = ran.cases.get("qwen3_5_moe-ct-mxfp4")
-    if qwen35 is not None:
-        cfg = json.loads((qwen35.src / "config.json").read_text())
-        for name, neg in ((NEGATIVE_NORMS, C.unshift_norms(qwen35.dst, root / "out" / NEGATIVE_NORMS)),
-                          (NEGATIVE_V_HEADS, C.group_v_heads(qwen35.dst, root / "out" / NEGATIVE_V_HEADS, cfg))):
-            todo.append({**C.expectations(qwen35), "name": name, "model": str(neg / "model.gguf")})
-            ran.references[name] = ran.references[qwen35.name]
-    scout = ran.cases.get("llama4-llama3-rope-ct-mxfp4")
-    if scout is not None:
-        neg = C.unscale_rope(scout.dst, root / "out" / NEGATIVE_ROPE)
-        todo.append({**C.expectations(scout), "name": NEGATIVE_ROPE, "model": str(neg / "model.gguf")})
-        ran.references[NEGATIVE_ROPE] = ran.references[scout.name]
-    qwen3_next = ran.cases.get("qwen3_next-ct-mxfp4")
-    if qwen3_next is not None:
-        cfg = json.loads((qwen3_next.src / "config.json").read_text())
-        neg = C.unsplit_qkvz(qwen3_next.dst, root / "out" / NEGATIVE_QKVZ, cfg)
-        todo.append({**C.expectations(qwen3_next), "name": NEGATIVE_QKVZ, "model": str(neg / "model.gguf")})
-        ran.references[NEGATIVE_QKVZ] = ran.references[qwen3_next.name]
+    for name, (of, make) in _NEGATIVES.items():  # each a converter re-layout done wrong, on a written output
+        written = ran.cases.get(of)
+        if written is not None:
+            cfg = json.loads((written.src / "config.json").read_text())
+            neg = make(written.dst, root / "out" / name, cfg)
+            todo.append({**C.expectations(written), "name": name, "model": str(neg / "model.gguf")})
+            ran.references[name] = ran.references[written.name]
     base = ran.cases.get("qwen3_moe-ct-mxfp4")
     if base is not None:
-        neg = C.swap_gate_up(base.dst, root / "out" / NEGATIVE)
-        todo.append({**C.expectations(base), "name": NEGATIVE, "model": str(neg / "model.gguf")})
-        ran.references[NEGATIVE] = ran.references[base.name]
         split = C.Case(SHARDED, base.src, root / "out" / SHARDED, base.model_type, base.nvfp4)
         err = C.convert(split, "--max-shard-size", "40KB")
         if err:
