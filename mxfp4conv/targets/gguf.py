@@ -240,7 +240,7 @@ class GgufTarget(Target):
     def _unit_refusal(self, u: UnitSpec, ctx: WriterContext, arch: Arch) -> str | None:
         if self._dropped(u, ctx):
             return None
-        nextn = int(text_hparams(ctx.src_config).get("num_nextn_predict_layers") or 0)
+        nextn = int(text_hparams(ctx.src_config).get("num_nextn_predict_layers") or 0) if arch.writes_nextn else 0
         if (layer := layer_of(u.key)) is not None and int(layer[1]) >= ctx.facts.num_layers + nextn:
             return (f"{u.key}: a layer past config.json's num_hidden_layers ({ctx.facts.num_layers}) and MTP blocks "
                     f"({nextn}), whose tensors llama.cpp's {arch.name} would not load")

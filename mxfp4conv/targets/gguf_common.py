@@ -62,6 +62,11 @@ class Arch:
     refusal: Callable[[Mapping[str, Any]], str | None] | None = None
     ropes: tuple[str, ...] = ("default", "yarn")  # the rope_type values written for it
 
+    @property
+    def writes_nextn(self) -> bool:
+        """Its MTP blocks (layers past num_hidden_layers) are written, as llama.cpp's nextn blocks."""
+        return "eh_proj.weight" in self.layer_names
+
 
 @dataclass(frozen=True)
 class Reshape:

@@ -130,7 +130,7 @@ def _qwen35_fp4_out_proj(root: Path) -> Path:
     that Linear's input columns (value heads grouped -> tiled)."""
     from safetensors.torch import load_file, save_file
 
-    from examples.tiny import quant_mxfp4
+    from tests.builders import quant_mxfp4
 
     src = _qwen35(root)
     name = "model.layers.0.linear_attn.out_proj"
@@ -337,6 +337,15 @@ def test_qwen35_release_is_llama_cpp_s_qwen35moe_text_model(tmp_path: Path) -> N
     assert by["blk.1.ffn_gate_exps.weight"].tensor_type == MXFP4
     res = CliRunner().invoke(cli, ["verify", str(src), str(tmp_path / "out")])
     assert res.exit_code == EXIT_OK, res.stderr
+
+
+def test_only_architectures_written_with_nextn_blocks_keep_layers_past_the_trunk() -> None:
+    """A layer past num_hidden_layers is written only where llama.cpp's converter writes it as a nextn block
+    (GLM-4.5); elsewhere it is dropped (DeepSeek's MTP layer) or refused, whatever the config's MTP count."""
+    from mxfp4conv.targets.gguf_arch import ARCHS
+
+    assert {k for k, a in ARCHS.items() if a.writes_nextn} == {"glm4_moe"}
+    assert ARCHS["deepseek_v3"].mtp and not ARCHS["deepseek_v3"].writes_nextn
 
 
 def test_glm45_mtp_block_is_llama_cpp_s_nextn_block(tmp_path: Path) -> None:
