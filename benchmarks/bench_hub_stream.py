@@ -7,7 +7,9 @@
 Alternating rounds, each in fresh processes with an empty huggingface_hub cache; wall seconds, the
 bytes the server sent, the most disk in use meanwhile (cache + output, sampled every 0.2 s) and at the
 end, the peak RSS of the converting process, and how long the run went on after the link sent its
-last byte (``tail_s``) and when it first asked for a shard's bytes (``first_shard_byte_s``). One JSON line per run, then the medians and their ratios, among them the
+last byte (``tail_s``), when it first asked for a shard's bytes (``first_shard_byte_s``) and how long
+the link had nothing to send between its first and last body byte (``link_idle_s``: time the
+client did not ask for bytes it could have had). One JSON line per run, then the medians and their ratios, among them the
 stream against the larger of the download and the local conversion of the downloaded folder
 (``stream_vs_max_download_local``): a stream can beat neither.
 
@@ -138,7 +140,8 @@ def main() -> None:
                 # when the first byte of a shard was asked for, after the case's first process started
                 cdn = [r.at for r in h.requests(lambda r: r.host == "cdn" and r.method == "GET")]
                 first = round(min(cdn) - began, 2) if cdn else None
-                doc = {"wall_s": round(wall, 2), "convert_s": round(convert_s, 2), "tail_s": round(tail, 2), "first_shard_byte_s": first, "sent_gb": round(h.sent() / 1e9, 3),
+                doc = {"wall_s": round(wall, 2), "convert_s": round(convert_s, 2), "tail_s": round(tail, 2), "first_shard_byte_s": first,
+                       "link_idle_s": round(h.link_idle, 2), "sent_gb": round(h.sent() / 1e9, 3),
                        "disk_gb": round((du(cache) + du(out)) / 1e9, 3), "peak_disk_gb": round(disk.peak / 1e9, 3),
                        "output_gb": round(du(out) / 1e9, 3), "rss_gb": round(rss / 1e9, 3)}
                 rows[case].append(doc)

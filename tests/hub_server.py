@@ -146,6 +146,7 @@ class HubServer:
         self._lock = threading.Lock()
         self.rate: float | None = None  # bytes per second of file bodies, all connections together (None: as fast as it can)
         self._next_free = 0.0  # when the shared link is next free (time.monotonic)
+        self._idle = 0.0  # seconds the throttled link sat idle between bodies, since ``clear_log``
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -211,9 +212,17 @@ class HubServer:
         with self._lock:
             return [r for r in self.log if match is None or match(r)]
 
+    @property
+    def link_idle(self) -> float:
+        """Seconds the throttled link had nothing to send between its first and its last body byte since
+        ``clear_log``: time a client did not ask for bytes it could have had."""
+        with self._lock:
+            return self._idle
+
     def clear_log(self) -> None:
         with self._lock:
             self.log.clear()
+            self._next_free, self._idle = 0.0, 0.0
 
     def _take_fault(self, req: Request) -> Fault | None:
         with self._lock:
@@ -407,7 +416,10 @@ class _Handler(BaseHTTPRequestHandler):
         for at in range(0, len(body), piece):
             chunk = view[at:at + piece]
             with hub._lock:
-                start = max(time.monotonic(), hub._next_free)
+                now = time.monotonic()
+                if hub._next_free and now > hub._next_free:
+                    hub._idle += now - hub._next_free
+                start = max(now, hub._next_free)
                 hub._next_free = start + len(chunk) / hub.rate
                 until = hub._next_free
             self.wfile.write(chunk)

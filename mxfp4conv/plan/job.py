@@ -135,6 +135,14 @@ def cpu_kernel(device: str, needed: bool) -> str | None:
         raise UsageError(str(exc), hint="unset MXFP4CONV_CPU_KERNEL, or install a C compiler (cc / gcc / clang)") from exc
 
 
+def whole_units(opts: ConvertOptions) -> bool:
+    """Whether a remote source's units are converted whole rather than by expert groups: a GPU converts
+    a whole layer in a fraction of the time its bytes take to arrive (one call per group cost it more
+    than the link), and several devices take a unit each."""
+    devs = devices(opts)
+    return len(devs) > 1 or devs[0].startswith("cuda")
+
+
 def devices(opts: ConvertOptions) -> list[str]:
     """Where units are transformed: every visible GPU for ``--device cuda``, the listed ones, or one device."""
     if opts.devices:

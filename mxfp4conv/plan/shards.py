@@ -97,6 +97,10 @@ class ConversionPlan:
         """The output bytes of the largest unit of any rank."""
         return max((u.nbytes for _, s in self.shards() for u in s.units), default=0)
 
+    def largest_read(self) -> int:
+        """The host bytes the largest read of any unit holds (0 when every unit is copied)."""
+        return max((u.read_bytes for _, s in self.shards() for u in s.units), default=0)
+
 
 # (source dtype, output dtype) pairs of the same bytes: OCP packed E2M1 codes as MLX's uint32 words
 _SAME_BYTES = {("U8", "U32")}

@@ -26,7 +26,7 @@ from mxfp4conv.errors import StagingError
 from mxfp4conv.files.safetensors import BATCH_BYTES, CheckRange, FileSlice, ShardStream, st_dtype
 from mxfp4conv.files.source import ByteSource
 from mxfp4conv.numerics.units import UnitResult, unit_results
-from mxfp4conv.plan.job import Job, devices
+from mxfp4conv.plan.job import Job, devices, whole_units
 from mxfp4conv.plan.shards import PlannedShard, PlannedUnit, RankPlan, direct_runs, expert_groups
 from mxfp4conv.proof.check import InlineVerifier
 from mxfp4conv.proof.manifest import MANIFEST
@@ -260,11 +260,9 @@ class Conversion:
 
     def _produced(self, unit: PlannedUnit, ctx: WriterContext) -> tuple[PlannedUnit, ...]:
         """What a unit is produced as: its expert groups from a remote source on the CPU (a unit read from
-        local disk is there whole at once; a GPU converts a whole layer in a fraction of the time its
-        bytes take to arrive, and one call per group cost it more than the link), else the unit."""
+        local disk is there whole at once; see ``whole_units`` for the devices), else the unit."""
         job = self.job
-        devs = devices(job.opts)
-        if not job.ckpt.source.at_link_rate or len(devs) > 1 or devs[0].startswith("cuda"):
+        if not job.ckpt.source.at_link_rate or whole_units(job.opts):
             return (unit,)
         return expert_groups(unit, job.ckpt, job.layout, job.target, ctx)
 

@@ -28,6 +28,7 @@ from mxfp4conv.plan.job import (  # re-exported: the options and helpers callers
     needs_device,
     prepare,
     resolve_device,
+    whole_units,
 )
 from mxfp4conv.proof.check import InlineVerifier, check_structure
 from mxfp4conv.proof.manifest import MANIFEST, Manifest
@@ -135,7 +136,8 @@ def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: 
     # up (a partition or a resumed run knows which files it reads only once its shards are planned)
     every_file = not (opts.partition is not None or opts.finish or opts.resume)
     source.begin(job.ckpt, on_fetch, every_file=every_file, prefetch=every_file and not opts.dry_run
-                 and not (opts.skip_if_current and (dst / MANIFEST).exists()))
+                 and not (opts.skip_if_current and (dst / MANIFEST).exists()),
+                 unit=job.output.largest_read() if whole_units(opts) else 0)
     if needs_device(ctx):
         report.compute = {"devices": devices(opts), "cpu_kernel": cpu_kernel(opts.device, not opts.dry_run)}
     fingerprint = _fingerprint(job)

@@ -150,14 +150,29 @@ class OrderedFetch:
                 self._check_file(name, f)
         self._start()
 
-    def prefetch(self, name: str, upto: int) -> None:
-        """Start fetching file ``name`` from its first byte, at most ``upto`` bytes of it, before the
-        reads are known, keeping every block until ``expect`` says which are read: the link is busy
-        while the process that reads them is still setting up."""
+    def prefetch(self, names: list[str], upto: int) -> None:
+        """Start fetching files ``names`` in order from the first one's first byte, at most ``upto``
+        bytes of them, before the reads are known, keeping every block until ``expect`` says which are
+        read: the link is busy while the process that reads them is still setting up."""
         with self._cv:
             self._planned = False
-            self._extend(name, min(self._blocks(name), max(1, upto // self._block)))
+            left = max(1, upto // self._block)
+            for name in names:
+                take = min(self._blocks(name), left)
+                self._extend(name, take)
+                left -= take
+                if left <= 0:
+                    break
         self._start()
+
+    def allow_ahead(self, budget: int) -> None:
+        """Fetch up to ``budget`` bytes ahead of the reads from now on (never fewer than before): a run
+        that reads whole units needs the next one fetched while the current one is converted."""
+        with self._cv:
+            if budget > self._ahead:
+                self._budget += budget - self._ahead
+                self._ahead = budget
+                self._cv.notify_all()
 
     def checked_to(self, on_checked: Callable[[str, str], None] | None) -> None:
         """Report each file checked from now on to ``on_checked``, and those checked already."""

@@ -182,6 +182,7 @@ class RemoteRepo:
         if early is not None and early[0] == names and every_file:
             stream = early[1]
             stream.checked_to(on_checked)
+            stream.allow_ahead(budget)
         else:
             if early is not None:
                 early[1].close()
@@ -194,15 +195,15 @@ class RemoteRepo:
             stream.close()
 
     def prefetch(self, names: list[str], on_fetch: Callable[[int], None] | None = None, *,
-                 upto: int = BUDGET) -> None:
-        """Start the in-order fetch of ``names`` (every one whole) now, at most ``upto`` bytes of the first
-        before the reads are known; ``streaming`` of the same files takes it over, ``end_prefetch``
-        stops it if none does."""
+                 upto: int = BUDGET, budget: int = BUDGET) -> None:
+        """Start the in-order fetch of ``names`` (every one whole) now, at most ``upto`` bytes of them
+        before the reads are known, ``budget`` ahead of them after; ``streaming`` of the same files
+        takes it over, ``end_prefetch`` stops it if none does."""
         self.end_prefetch()
-        stream = self._fetch(names, on_fetch, budget=BUDGET, on_checked=None, every_file=True)
+        stream = self._fetch(names, on_fetch, budget=budget, on_checked=None, every_file=True)
         self._early = (list(names), stream)
         if names:
-            stream.prefetch(names[0], upto)
+            stream.prefetch(names, upto)
 
     def end_prefetch(self) -> None:
         early, self._early = self._early, None

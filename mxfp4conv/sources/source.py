@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mxfp4conv.errors import ConvertError
+from mxfp4conv.sources.fetch import BUDGET
 
 if TYPE_CHECKING:
     from mxfp4conv.sources.checkpoint import Checkpoint
@@ -97,8 +98,9 @@ class Source(ABC):
 
     # a run's session: nothing for a local folder
     def begin(self, ckpt: Checkpoint, on_fetch: Callable[[int, int], None] | None, *, every_file: bool,
-              prefetch: bool) -> None:
-        """Set the run up; ``prefetch``: start reading every shard now (before the reads are planned)."""
+              prefetch: bool, unit: int = 0) -> None:
+        """Set the run up; ``prefetch``: start reading every shard now (before the reads are planned);
+        ``unit``: the bytes of the largest unit when units are read whole (0 when they are not)."""
         return None
 
     def end(self) -> None:
@@ -179,6 +181,7 @@ class HubSource(Source):
         self.label = self.repo_id = repo.repo_id
         self.commit = repo.commit
         self._names: list[str] = []
+        self._ahead = BUDGET  # bytes the fetch runs ahead of the reads
         self._count: Count | None = None
         self._every_file = True
         self._stream: OrderedFetch | None = None
@@ -214,13 +217,16 @@ class HubSource(Source):
         return f"{self.repo_id}@{self.commit}"
 
     def begin(self, ckpt: Checkpoint, on_fetch: Callable[[int, int], None] | None, *, every_file: bool,
-              prefetch: bool) -> None:
+              prefetch: bool, unit: int = 0) -> None:
         repo = self.repo
         self._names = [repo.name_of(f) for f in ckpt.shard_files]
         self._count = _fetch_counter(sum(repo.files[n].size for n in self._names), on_fetch)
         self._every_file, self._stream, self._digests = every_file, None, {}
+        # whole units: the next one fetched while one is converted; before the reads are planned, as
+        # much as the run holds then (a unit being read and the next)
+        self._ahead = max(BUDGET, unit)
         if prefetch:
-            repo.prefetch(self._names, self._count)
+            repo.prefetch(self._names, self._count, upto=self._ahead + unit, budget=self._ahead)
 
     def end(self) -> None:
         self.repo.end_prefetch()
@@ -230,7 +236,8 @@ class HubSource(Source):
         # the small files the output carries, fetched beside the shards rather than after them
         threading.Thread(target=self._download, args=(extras,), name="mxfp4conv-extras", daemon=True).start()
         # a partition or a resumed run fetches only the files its shards read (each whole, to check it)
-        with self.repo.streaming(self._names, self._count, on_checked=on_checked, every_file=self._every_file) as stream:
+        with self.repo.streaming(self._names, self._count, budget=self._ahead, on_checked=on_checked,
+                                 every_file=self._every_file) as stream:
             self._stream = stream
             yield
             # every shard's bytes against the Hub's sha256 before anything is published

@@ -193,7 +193,7 @@ def test_a_fetch_started_before_the_plan_keeps_its_blocks_until_the_reads_are_kn
     files, reads = layout(5)
     store = Store(files)
     f = make(store, budget=8 * BLOCK)
-    f.prefetch("a", 6 * BLOCK)
+    f.prefetch(["a"], 6 * BLOCK)
     deadline = time.monotonic() + 30
     while store.fetched() < 6 * BLOCK and time.monotonic() < deadline:
         time.sleep(0.001)
@@ -205,12 +205,52 @@ def test_a_fetch_started_before_the_plan_keeps_its_blocks_until_the_reads_are_kn
 
     small = {"s": random.Random(6).randbytes(2 * BLOCK + 5)}
     f = make(Store(small))
-    f.prefetch("s", 8 * BLOCK)
+    f.prefetch(["s"], 8 * BLOCK)
     assert f.finish() == {"s": hashlib.sha256(small["s"]).hexdigest()}
     got: list[tuple[str, str]] = []
     f.checked_to(lambda name, digest: got.append((name, digest)))
     assert got == [("s", hashlib.sha256(small["s"]).hexdigest())]
     f.close()
+
+
+def _settle(store: Store, want: int) -> int:
+    """What ``store`` was asked for once the fetch has had time to bring ``want`` bytes (and stopped)."""
+    deadline = time.monotonic() + 30
+    while store.fetched() < want and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(0.05)
+    return store.fetched()
+
+
+def test_a_fetch_before_the_plan_runs_on_into_the_next_file() -> None:
+    """``prefetch`` of several files goes past the end of a first file shorter than ``upto``, in order."""
+    rnd = random.Random(8)
+    files = {"a": rnd.randbytes(3 * BLOCK + 5), "b": rnd.randbytes(10 * BLOCK)}
+    store = Store(files)
+    f = make(store, budget=64 * BLOCK)
+    f.prefetch(["a", "b"], 6 * BLOCK)
+    assert _settle(store, 3 * BLOCK + 5 + 2 * BLOCK) == 3 * BLOCK + 5 + 2 * BLOCK  # a's four blocks, b's first two
+    assert {n for n, _, _ in store.asked} == {"a", "b"}
+    stream_through(f, files, [("a", 0, len(files["a"])), ("b", 0, len(files["b"]))])
+    assert f.refetched == 0
+
+
+def test_allow_ahead_lets_the_fetch_run_further_ahead_of_the_reads() -> None:
+    """A run that reads whole units raises the budget once it knows their size: the fetch, held two
+    blocks ahead of a reader that stopped, goes six blocks further."""
+    files = {"a": random.Random(9).randbytes(20 * BLOCK)}
+    store = Store(files)
+    f = make(store, budget=2 * BLOCK)
+    f.expect([("a", k * BLOCK, (k + 1) * BLOCK, 1) for k in range(20)])
+    assert read(f, "a", 0, BLOCK) == files["a"][:BLOCK]
+    held = _settle(store, 3 * BLOCK)  # the block read, two ahead and what the reads' order keeps
+    assert held < 6 * BLOCK
+    f.allow_ahead(8 * BLOCK)
+    assert _settle(store, held + 6 * BLOCK) == held + 6 * BLOCK
+    f.allow_ahead(4 * BLOCK)  # never fewer than before
+    for k in range(1, 20):
+        assert read(f, "a", k * BLOCK, (k + 1) * BLOCK) == files["a"][k * BLOCK:(k + 1) * BLOCK]
+    assert f.finish() == {"a": hashlib.sha256(files["a"]).hexdigest()} and f.refetched == 0
 
 
 def test_a_corrupted_block_fails_its_file() -> None:
