@@ -47,15 +47,21 @@ def _round(src: Path, work: Path, target: str) -> dict[str, float]:
     return out
 
 
-def _add_tokenizer(src: Path) -> None:
-    """A byte-level BPE tokenizer with one token per embedding row (the generated config says 256)."""
+def _add_tokenizer(src: Path, copy_from: Path | None = None) -> None:
+    """A byte-level BPE tokenizer with one token per embedding row (the generated config says 256);
+    ``copy_from``: a folder holding such a tokenizer's two files (where the tokenizers library is not
+    installed)."""
     import json
-
-    from tests.gguf_runtime.gguf_cases import add_bpe_tokenizer
 
     cfg = json.loads((src / "config.json").read_text())
     cfg["vocab_size"] = 1024  # gen_checkpoint.py's embedding rows
     (src / "config.json").write_text(json.dumps(cfg, indent=2))
+    if copy_from is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(copy_from / name, src / name)
+        return
+    from tests.gguf_runtime.gguf_cases import add_bpe_tokenizer
+
     add_bpe_tokenizer(src, 1024)
 
 
@@ -65,6 +71,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/mxfp4conv-bench-targets"))
     ap.add_argument("--layers", type=int, default=13, help="qwen3-like layers (13 = 4.2 GB)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokenizer", type=Path, help="for gguf: copy tokenizer.json and tokenizer_config.json from this "
+                                                   "folder (a 1024-token one this script made) instead of building it")
     args = ap.parse_args()
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
@@ -72,7 +80,7 @@ def main() -> None:
                        date=time.strftime("%Y-%m-%d"), load_avg=os.getloadavg())
     src = bench_convert.generate(args.work / "src", "ct-mxfp4", args.layers)
     if args.target == "gguf":
-        _add_tokenizer(src)
+        _add_tokenizer(src, args.tokenizer)
     bench_convert.warm(src)
     subprocess.run([bench_convert.PY, "-m", "mxfp4conv", "convert", str(src), str(args.work / "out"), "--to", args.target],
                    check=True, capture_output=True)  # untimed: both tools then start warm
