@@ -126,18 +126,20 @@ def convert(src: str | Path, dst: str | Path, opts: ConvertOptions, on_progress:
 def _convert(src: str | Path, dst: Path, job: Job, t_start: float, on_progress: Progress | None,
              on_fetch: Progress | None = None, on_shard: ShardDone | None = None) -> ConvertReport:
     """``convert`` once SRC is planned: options resolved, then skip / dry run / write, prove, publish."""
-    ctx = job.ctx
-    opts = dataclasses.replace(job.opts, device=resolve_device(job.opts.device, needs_device(ctx)))
+    ctx, source = job.ctx, job.ckpt.source
+    # a whole stream starts now, before the device is resolved (which waits for torch's import): its
+    # first blocks come in while torch is imported and the run is set up (a partition or a resumed
+    # run knows which files it reads only once its shards are planned)
+    first = job.opts
+    every_file = not (first.partition is not None or first.finish or first.resume)
+    source.begin(job.ckpt, on_fetch, every_file=every_file, prefetch=every_file and not first.dry_run
+                 and not (first.skip_if_current and (dst / MANIFEST).exists()))
+    opts = dataclasses.replace(first, device=resolve_device(first.device, needs_device(ctx)))
     job = job.with_options(opts)
+    if whole_units(opts):
+        source.widen(job.output.largest_read())
     report = ConvertReport(str(src), str(dst), job.plan.layout, job.target.NAME,
                            "dry-run" if opts.dry_run else "converted")
-    source = job.ckpt.source
-    # a whole stream starts now: its first blocks come in while torch is imported and the run is set
-    # up (a partition or a resumed run knows which files it reads only once its shards are planned)
-    every_file = not (opts.partition is not None or opts.finish or opts.resume)
-    source.begin(job.ckpt, on_fetch, every_file=every_file, prefetch=every_file and not opts.dry_run
-                 and not (opts.skip_if_current and (dst / MANIFEST).exists()),
-                 unit=job.output.largest_read() if whole_units(opts) else 0)
     if needs_device(ctx):
         report.compute = {"devices": devices(opts), "cpu_kernel": cpu_kernel(opts.device, not opts.dry_run)}
     fingerprint = _fingerprint(job)

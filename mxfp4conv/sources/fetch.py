@@ -152,9 +152,11 @@ class OrderedFetch:
 
     def prefetch(self, names: list[str], upto: int) -> None:
         """Start fetching files ``names`` in order from the first one's first byte, at most ``upto``
-        bytes of them, before the reads are known, keeping every block until ``expect`` says which are
+        bytes of them (a later call fetches further), before the reads are known, keeping every block until ``expect`` says which are
         read: the link is busy while the process that reads them is still setting up."""
         with self._cv:
+            if self._reads:  # the reads are known: their order says what is fetched
+                return
             self._planned = False
             left = max(1, upto // self._block)
             for name in names:
@@ -163,6 +165,7 @@ class OrderedFetch:
                 left -= take
                 if left <= 0:
                     break
+            self._cv.notify_all()  # a second call: connections that ran out of blocks go on
         self._start()
 
     def allow_ahead(self, budget: int) -> None:

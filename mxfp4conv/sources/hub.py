@@ -195,15 +195,22 @@ class RemoteRepo:
             stream.close()
 
     def prefetch(self, names: list[str], on_fetch: Callable[[int], None] | None = None, *,
-                 upto: int = BUDGET, budget: int = BUDGET) -> None:
+                 upto: int = BUDGET) -> None:
         """Start the in-order fetch of ``names`` (every one whole) now, at most ``upto`` bytes of them
-        before the reads are known, ``budget`` ahead of them after; ``streaming`` of the same files
-        takes it over, ``end_prefetch`` stops it if none does."""
+        before the reads are known; ``streaming`` of the same files takes it over, ``end_prefetch``
+        stops it if none does."""
         self.end_prefetch()
-        stream = self._fetch(names, on_fetch, budget=budget, on_checked=None, every_file=True)
+        stream = self._fetch(names, on_fetch, budget=BUDGET, on_checked=None, every_file=True)
         self._early = (list(names), stream)
         if names:
             stream.prefetch(names, upto)
+
+    def widen_prefetch(self, names: list[str], *, upto: int, budget: int) -> None:
+        """Let the fetch ``prefetch`` started for ``names`` go on to ``upto`` bytes before the reads are
+        known and ``budget`` ahead of them after (never less than it had)."""
+        if self._early is not None and self._early[0] == names:
+            self._early[1].allow_ahead(budget)
+            self._early[1].prefetch(names, upto)
 
     def end_prefetch(self) -> None:
         early, self._early = self._early, None

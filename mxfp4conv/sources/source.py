@@ -98,9 +98,12 @@ class Source(ABC):
 
     # a run's session: nothing for a local folder
     def begin(self, ckpt: Checkpoint, on_fetch: Callable[[int, int], None] | None, *, every_file: bool,
-              prefetch: bool, unit: int = 0) -> None:
-        """Set the run up; ``prefetch``: start reading every shard now (before the reads are planned);
-        ``unit``: the bytes of the largest unit when units are read whole (0 when they are not)."""
+              prefetch: bool) -> None:
+        """Set the run up; ``prefetch``: start reading every shard now (before the reads are planned)."""
+        return None
+
+    def widen(self, unit: int) -> None:
+        """Units of up to ``unit`` bytes are read whole: let the reading run a unit ahead."""
         return None
 
     def end(self) -> None:
@@ -217,16 +220,21 @@ class HubSource(Source):
         return f"{self.repo_id}@{self.commit}"
 
     def begin(self, ckpt: Checkpoint, on_fetch: Callable[[int, int], None] | None, *, every_file: bool,
-              prefetch: bool, unit: int = 0) -> None:
+              prefetch: bool) -> None:
         repo = self.repo
         self._names = [repo.name_of(f) for f in ckpt.shard_files]
         self._count = _fetch_counter(sum(repo.files[n].size for n in self._names), on_fetch)
         self._every_file, self._stream, self._digests = every_file, None, {}
-        # whole units: the next one fetched while one is converted; before the reads are planned, as
-        # much as the run holds then (a unit being read and the next)
-        self._ahead = max(BUDGET, unit)
+        self._ahead = BUDGET
         if prefetch:
-            repo.prefetch(self._names, self._count, upto=self._ahead + unit, budget=self._ahead)
+            repo.prefetch(self._names, self._count)
+
+    def widen(self, unit: int) -> None:
+        # the next unit fetched while one is converted; before the reads are planned, as much as the
+        # run holds then (a unit being read and the next)
+        if unit > self._ahead:
+            self._ahead = unit
+            self.repo.widen_prefetch(self._names, upto=2 * unit, budget=unit)
 
     def end(self) -> None:
         self.repo.end_prefetch()

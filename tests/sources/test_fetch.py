@@ -223,7 +223,8 @@ def _settle(store: Store, want: int) -> int:
 
 
 def test_a_fetch_before_the_plan_runs_on_into_the_next_file() -> None:
-    """``prefetch`` of several files goes past the end of a first file shorter than ``upto``, in order."""
+    """``prefetch`` of several files goes past the end of a first file shorter than ``upto``, in order; a
+    second call before the plan fetches further."""
     rnd = random.Random(8)
     files = {"a": rnd.randbytes(3 * BLOCK + 5), "b": rnd.randbytes(10 * BLOCK)}
     store = Store(files)
@@ -231,6 +232,8 @@ def test_a_fetch_before_the_plan_runs_on_into_the_next_file() -> None:
     f.prefetch(["a", "b"], 6 * BLOCK)
     assert _settle(store, 3 * BLOCK + 5 + 2 * BLOCK) == 3 * BLOCK + 5 + 2 * BLOCK  # a's four blocks, b's first two
     assert {n for n, _, _ in store.asked} == {"a", "b"}
+    f.prefetch(["a", "b"], 9 * BLOCK)  # widened before the plan: the idle connections go on
+    assert _settle(store, 3 * BLOCK + 5 + 5 * BLOCK) == 3 * BLOCK + 5 + 5 * BLOCK
     stream_through(f, files, [("a", 0, len(files["a"])), ("b", 0, len(files["b"]))])
     assert f.refetched == 0
 
