@@ -7,7 +7,8 @@ BPE), the merges by rank, the special-token ids, whether BOS/EOS are added, and 
 Nothing of the tokenizer.json's own pre-tokenizer travels, so a source is written only when its pre-tokenizer
 is one llama.cpp implements under some name; the regexes are compared as strings, exactly, and anything else
 (another model type, a normalizer llama.cpp lacks, an unknown regex) is refused with a one-line reason rather
-than approximated. The entries follow llama.cpp's own converter (``convert_hf_to_gguf.py``: ``get_vocab_base``,
+than approximated (Kimi-K2's tiktoken vocabulary, which has no tokenizer.json, is read by
+``targets/gguf_tiktoken.py``). The entries follow llama.cpp's own converter (``convert_hf_to_gguf.py``: ``get_vocab_base``,
 ``_set_vocab_gpt2``, ``gguf.SpecialVocab``) so that a GGUF written here reads like one written there.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 
 from mxfp4conv.errors import InputError
 from mxfp4conv.sources.gguf import KV, VType
+from mxfp4conv.targets.gguf_tiktoken import Refused, TiktokenVocab, tiktoken_vocab
 
 __all__ = ["PRE_TOKENIZERS", "Read", "tokenizer_kvs", "tokenizer_refusal"]
 
@@ -76,8 +78,7 @@ _SPECIAL_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_t
 _ADD_KEYS = ("bos", "eos", "sep")
 
 
-class _Refused(Exception):
-    """One line: the file and why it cannot be written exactly."""
+_Refused = Refused  # one line: the file and why it cannot be written exactly
 
 
 def _json(read: Read, name: str) -> Any:
@@ -93,9 +94,8 @@ def _json(read: Read, name: str) -> Any:
 def _no_tokenizer_json(read: Read) -> str:
     """Why a source without tokenizer.json is refused, naming what it has instead."""
     tail = f"; {WANT} (save one with transformers' AutoTokenizer.save_pretrained)"
-    for name in ("tiktoken.model", "tokenizer.tiktoken"):
-        if read(name) is not None:
-            return f"{name}: a tiktoken vocabulary, not a Hugging Face fast tokenizer{tail}"
+    if read("tokenizer.tiktoken") is not None:  # (tiktoken.model is Kimi-K2's: targets/gguf_tiktoken.py)
+        return f"tokenizer.tiktoken: a tiktoken vocabulary, not a Hugging Face fast tokenizer{tail}"
     sp = read("tokenizer.model")
     if sp is not None:
         # Llama-3 and Kimi ship tiktoken ranks ("<base64> <rank>" lines) under this name too.
@@ -184,7 +184,7 @@ def tokenizer_refusal(read: Read) -> str | None:
     try:
         tok = _json(read, TOKENIZER_JSON)
         if tok is None:
-            return _no_tokenizer_json(read)
+            return None if _tiktoken(read, _json(read, TOKENIZER_CONFIG) or {}, None) else _no_tokenizer_json(read)
         _check(tok, _json(read, TOKENIZER_CONFIG) or {})
         _tokens(tok, None)
     except _Refused as e:
@@ -192,6 +192,10 @@ def tokenizer_refusal(read: Read) -> str | None:
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         return f"{TOKENIZER_JSON}: malformed ({type(e).__name__}: {e}); {WANT}"
     return None
+
+
+def _tiktoken(read: Read, tc: Mapping[str, Any], vocab_size: int | None) -> TiktokenVocab | None:
+    return tiktoken_vocab(read, tc, vocab_size, (NORMAL, CONTROL, UNUSED))
 
 
 def _looks_special(text: str) -> bool:
@@ -346,9 +350,11 @@ def tokenizer_kvs(read: Read, config: Mapping[str, Any]) -> list[KV]:
     Raises ``InputError`` with ``tokenizer_refusal``'s line for a tokenizer it refuses."""
     try:
         tok = _json(read, TOKENIZER_JSON)
-        if tok is None:
-            raise _Refused(_no_tokenizer_json(read))
         tc = _json(read, TOKENIZER_CONFIG) or {}
+        if tok is None:
+            if (tik := _tiktoken(read, tc, _config_vocab_size(config))) is None:
+                raise _Refused(_no_tokenizer_json(read))
+            return _tiktoken_kvs(read, tik, tc, config)
         pre = _check(tok, tc)
         texts, types = _tokens(tok, _config_vocab_size(config))
         add, implied = _post_processor(tok.get("post_processor"), tc)
@@ -373,3 +379,22 @@ def tokenizer_kvs(read: Read, config: Mapping[str, Any]) -> list[KV]:
     if tc:  # SpecialVocab reads chat templates only beside a tokenizer_config.json
         kvs += _chat_templates(read, tc)
     return kvs
+
+
+def _tiktoken_kvs(read: Read, tik: TiktokenVocab, tc: Mapping[str, Any], config: Mapping[str, Any]) -> list[KV]:
+    """Kimi-K2's vocabulary as its converter writes it: special ids from config.json (SpecialVocab finds no
+    tokenizer.json added tokens to resolve tokenizer_config.json's texts among), add_* flags and chat
+    templates from tokenizer_config.json."""
+    kvs = [
+        KV("tokenizer.ggml.model", VType.STRING, "gpt2"),
+        KV("tokenizer.ggml.pre", VType.STRING, "kimi-k2"),
+        KV("tokenizer.ggml.tokens", VType.ARRAY, tik.texts, VType.STRING),
+        KV("tokenizer.ggml.token_type", VType.ARRAY, tik.types, VType.INT32),
+        KV("tokenizer.ggml.merges", VType.ARRAY, tik.merges, VType.STRING),
+    ]
+    for typ, tid in _special_ids({}, tc, {}, config, len(tik.texts)).items():
+        kvs.append(KV(f"tokenizer.ggml.{_SPECIAL_KEYS[typ]}", VType.UINT32, tid))
+    for typ in _ADD_KEYS:
+        if isinstance(flag := tc.get(f"add_{typ}_token"), bool):
+            kvs.append(KV(f"tokenizer.ggml.add_{typ}_token", VType.BOOL, flag))
+    return kvs + (_chat_templates(read, tc) if tc else [])
