@@ -170,14 +170,22 @@ def header_bytes(sized: list[tuple[str, str, tuple[int, ...], int]], kvs: list[K
     return raw + b"\0" * (-len(raw) % ALIGNMENT)
 
 
+class _Short(Exception):
+    """The header runs past the bytes read so far (``read_gguf`` reads more)."""
+
+
 class _Reader:
-    def __init__(self, raw: bytes, path: Path) -> None:
-        self.raw, self.pos, self.path = raw, 0, path
+    def __init__(self, raw: bytes, path: Path, whole: bool = True) -> None:
+        # whole: ``raw`` is all the file has (up to MAX_HEADER); else running past it asks for more
+        self.raw, self.pos, self.path, self.whole = raw, 0, path, whole
+
+    def _past(self, error: InputError) -> InputError | _Short:
+        return error if self.whole else _Short()
 
     def many(self, fmt: str) -> tuple[Any, ...]:
         n = struct.calcsize(fmt)
         if self.pos + n > len(self.raw):
-            raise InputError("GGUF header ends early (truncated file?)", file=str(self.path))
+            raise self._past(InputError("GGUF header ends early (truncated file?)", file=str(self.path)))
         out = struct.unpack_from(fmt, self.raw, self.pos)
         self.pos += n
         return out
@@ -188,7 +196,7 @@ class _Reader:
     def string(self) -> str:
         n = self.take("<Q")
         if n > len(self.raw) - self.pos:
-            raise InputError("GGUF string runs past the header (truncated file?)", file=str(self.path))
+            raise self._past(InputError("GGUF string runs past the header (truncated file?)", file=str(self.path)))
         s = self.raw[self.pos:self.pos + n].decode("utf-8", "replace")
         self.pos += n
         return s
@@ -200,8 +208,11 @@ class _Reader:
             item, n = self.take("<I"), self.take("<Q")
             if item == VType.STRING:
                 return [self.string() for _ in range(n)]
-            if item not in _SCALAR or n * struct.calcsize(_SCALAR[VType(item)]) > len(self.raw) - self.pos:
+            if item not in _SCALAR:
                 raise InputError(f"GGUF array of type {item} x {n} does not fit the header", file=str(self.path))
+            if n * struct.calcsize(_SCALAR[VType(item)]) > len(self.raw) - self.pos:
+                raise self._past(InputError(f"GGUF array of type {item} x {n} does not fit the header",
+                                            file=str(self.path)))
             return list(self.many(f"<{n}{_SCALAR[VType(item)]}"))
         if t not in _SCALAR:
             raise InputError(f"unknown GGUF value type {t}", file=str(self.path))
@@ -212,9 +223,21 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorRef]]:
     """A GGUF file's metadata (key -> value) and its tensors as ``TensorRef`` (safetensors dtypes and torch
     order shapes; MXFP4 as ``U8`` blocks). Raises ``InputError`` naming the file for anything malformed."""
     size = os.path.getsize(path)
+    limit = min(size, MAX_HEADER)
+    raw = b""
     with open(path, "rb") as f:
-        raw = f.read(min(size, MAX_HEADER))
-    r = _Reader(raw, path)
+        # the header is a few MB of a file of many GB: read it in growing pieces, not MAX_HEADER at once
+        while True:
+            got = f.read(min(limit, max(1 << 20, 8 * len(raw))) - len(raw))
+            raw += got
+            try:  # a piece that came back short or empty: the file ends there
+                return _parse(raw, path, size, whole=len(raw) >= limit or not got)
+            except _Short:
+                continue
+
+
+def _parse(raw: bytes, path: Path, size: int, whole: bool) -> tuple[dict[str, Any], dict[str, TensorRef]]:
+    r = _Reader(raw, path, whole)
     if raw[:4] != MAGIC:
         raise InputError("not a GGUF file (no GGUF magic)", file=str(path))
     r.pos = 4
