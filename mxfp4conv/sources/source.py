@@ -230,11 +230,10 @@ class HubSource(Source):
             repo.prefetch(self._names, self._count)
 
     def widen(self, unit: int) -> None:
-        # the next unit fetched while one is converted; before the reads are planned, as much as the
-        # run holds then (a unit being read and the next)
+        # the next unit fetched while one is converted (and a unit's worth before the reads are planned)
         if unit > self._ahead:
             self._ahead = unit
-            self.repo.widen_prefetch(self._names, upto=2 * unit, budget=unit)
+            self.repo.widen_prefetch(self._names, upto=unit, budget=unit)
 
     def end(self) -> None:
         self.repo.end_prefetch()
