@@ -152,8 +152,9 @@ class OrderedFetch:
 
     def prefetch(self, names: list[str], upto: int) -> None:
         """Start fetching files ``names`` in order from the first one's first byte, at most ``upto``
-        bytes of them (a later call fetches further), before the reads are known, keeping every block until ``expect`` says which are
-        read: the link is busy while the process that reads them is still setting up."""
+        bytes of them (a later call fetches further), before the reads are known, keeping every block
+        until ``expect`` says which are read: the link is busy while the process that reads them is
+        still setting up."""
         with self._cv:
             if self._reads:  # the reads are known: their order says what is fetched
                 return

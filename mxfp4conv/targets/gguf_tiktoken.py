@@ -64,17 +64,21 @@ def _class_constants(code: bytes) -> tuple[str | None, int | None]:
         tree = ast.parse(code)
     except (SyntaxError, ValueError) as e:
         raise Refused(f"{TOKENIZER_CODE}: not Python ({e}); {WANT}") from e
-    pattern: str | None = None
-    reserved: int | None = None
+    found: dict[str, list[ast.expr | None]] = {"pat_str": [], "num_reserved_special_tokens": []}
     for node in ast.walk(tree):
-        if not isinstance(node, ast.Assign) or len(node.targets) != 1 or not isinstance(node.targets[0], ast.Name):
-            continue
-        name, value = node.targets[0].id, node.value
-        if name == "pat_str":
-            pattern = _string(value)
-        elif name == "num_reserved_special_tokens" and isinstance(value, ast.Constant) and type(value.value) is int:
-            reserved = value.value
-    return pattern, reserved
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AnnAssign | ast.AugAssign) else []
+        for t in targets:
+            name = t.id if isinstance(t, ast.Name) else t.attr if isinstance(t, ast.Attribute) else None
+            if name in found:  # self.pat_str = ... counts too: the code could replace the class's pattern
+                found[name].append(node.value if isinstance(node, ast.Assign) and len(targets) == 1 else None)
+    for name, values in found.items():
+        if len(values) > 1:
+            raise Refused(f"{TOKENIZER_CODE}: {name} is assigned {len(values)} times, so which one the tokenizer "
+                          f"uses is not read from the file; {WANT}")
+    pat, res = (v[0] if v else None for v in found.values())
+    reserved = res.value if isinstance(res, ast.Constant) and type(res.value) is int else None
+    return (None if pat is None else _string(pat)), reserved
 
 
 def _string(node: ast.expr) -> str | None:

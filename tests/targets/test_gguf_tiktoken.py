@@ -198,6 +198,11 @@ def test_refusals_name_the_file(ranks: dict[bytes, int], tmp_path: Path) -> None
         f"implements (kimi-k2); {want}")
     (root / "tokenization_kimi.py").write_text("pat_str = compute()\n")
     assert "its pat_str (none found)" in str(V.tokenizer_refusal(_reader(root)))
+    code = _source(tmp_path / "twice", ranks) / "tokenization_kimi.py"
+    code.write_text(code.read_text() + "\n    def __init__(self):\n        self.pat_str = other()\n")
+    assert V.tokenizer_refusal(_reader(code.parent)) == (
+        f"tokenization_kimi.py: pat_str is assigned 2 times, so which one the tokenizer uses is not read from the "
+        f"file; {want}")
     root = _source(tmp_path / "gap", {t: r for t, r in ranks.items() if t != b"z"} | {b"z": len(ranks)})
     assert "ranks are not the ids" in str(V.tokenizer_refusal(_reader(root)))
 
