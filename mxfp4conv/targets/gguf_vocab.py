@@ -21,7 +21,8 @@ from typing import Any
 
 from mxfp4conv.errors import InputError
 from mxfp4conv.sources.gguf import KV, VType
-from mxfp4conv.targets.gguf_tiktoken import Refused, TiktokenVocab, tiktoken_vocab
+from mxfp4conv.targets.gguf_tiktoken import Refused as _Refused
+from mxfp4conv.targets.gguf_tiktoken import TiktokenVocab, tiktoken_vocab
 
 __all__ = ["PRE_TOKENIZERS", "Read", "tokenizer_kvs", "tokenizer_refusal"]
 
@@ -77,8 +78,6 @@ _SPECIAL_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_t
                  "sep": "seperator_token_id", "pad": "padding_token_id", "mask": "mask_token_id"}
 _ADD_KEYS = ("bos", "eos", "sep")
 
-
-_Refused = Refused  # one line: the file and why it cannot be written exactly
 
 
 def _json(read: Read, name: str) -> Any:
