@@ -26,7 +26,7 @@ from mxfp4conv.errors import InputError
 from mxfp4conv.sources.gguf import KV, VType, header_bytes
 from mxfp4conv.targets import gguf_vocab as V
 from mxfp4conv.targets.gguf_tiktoken import KIMI_K2
-from tests.targets.test_gguf_vocab import RUNNER, llama_python
+from tests.targets.test_gguf_vocab import RUNNER, _reader, llama_python
 
 RESERVED = 6  # the release's file says 256: fewer keep the vocabulary small
 MERGES = 300
@@ -138,13 +138,6 @@ def _source(root: Path, ranks: dict[bytes, int], pattern: str = KIMI_K2, code: b
         "bos_token": "[BOS]", "eos_token": "[EOS]", "tokenizer_class": "TikTokenTokenizer",
         "chat_template": "{% for m in messages %}<|im_user|>{{ m['content'] }}<|im_end|>{% endfor %}"}))
     return root
-
-
-def _reader(root: Path) -> V.Read:
-    def read(name: str) -> bytes | None:
-        p = root / name
-        return p.read_bytes() if p.is_file() else None
-    return read
 
 
 def _config(ranks: dict[bytes, int]) -> dict[str, Any]:
