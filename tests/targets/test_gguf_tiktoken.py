@@ -21,11 +21,14 @@ import gguf
 import pytest
 import regex
 import tiktoken
+from click.testing import CliRunner
 
+from mxfp4conv.cli import cli
 from mxfp4conv.errors import InputError
 from mxfp4conv.sources.gguf import KV, VType, header_bytes
 from mxfp4conv.targets import gguf_vocab as V
 from mxfp4conv.targets.gguf_tiktoken import KIMI_K2
+from tests.replicas import deepseek
 from tests.targets.test_gguf_vocab import RUNNER, _reader, llama_python
 
 RESERVED = 6  # the release's file says 256: fewer keep the vocabulary small
@@ -198,6 +201,29 @@ def test_refusals_name_the_file(ranks: dict[bytes, int], tmp_path: Path) -> None
         f"file; {want}")
     root = _source(tmp_path / "gap", {t: r for t, r in ranks.items() if t != b"z"} | {b"z": len(ranks)})
     assert "ranks are not the ids" in str(V.tokenizer_refusal(_reader(root)))
+
+
+def test_a_kimi_release_converts_and_verifies_with_its_tiktoken_vocabulary(
+        ranks: dict[bytes, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The DeepSeek-R1 NVFP4 replica as Kimi-K2 ships (model_type kimi_k2, tiktoken files, no tokenizer.json),
+    its embedding as many rows as the vocabulary: planned, converted and verified through the CLI."""
+    n = 400  # the trained ranks' first 400 (a prefix of BPE ranks is a BPE vocabulary)
+    monkeypatch.setattr(deepseek, "VOCAB", n + RESERVED)
+    src = deepseek.modelopt_nvfp4_r1(tmp_path / "kimi").path
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "model_type": "kimi_k2", "bos_token_id": n,
+                                                 "eos_token_id": n + 1}))
+    assert not (src / "tokenizer.json").exists()
+    _source(src, {t: r for t, r in ranks.items() if r < n})
+    dst = tmp_path / "out"
+    res = CliRunner().invoke(cli, ["convert", str(src), str(dst), "--to", "gguf", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    f = {k: x.contents() for k, x in gguf.GGUFReader(dst / "model.gguf").fields.items() if not k.startswith("GGUF.")}
+    assert f["general.architecture"] == "deepseek2" and f["tokenizer.ggml.pre"] == "kimi-k2"
+    assert len(f["tokenizer.ggml.tokens"]) == n + RESERVED and f["tokenizer.ggml.tokens"][n] == NAMED[0]
+    assert f["tokenizer.ggml.bos_token_id"] == n
+    res = CliRunner().invoke(cli, ["verify", str(src), str(dst), "--device", "cpu"])
+    assert res.exit_code == 0, res.output
 
 
 @pytest.mark.gguf
