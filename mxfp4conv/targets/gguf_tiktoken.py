@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import base64
 import binascii
+import functools
 import json
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -127,6 +128,20 @@ def _parts(ranks: Mapping[bytes, int], token: bytes, below: int) -> list[bytes]:
         parts[at:at + 2] = [parts[at] + parts[at + 1]]
 
 
+@functools.lru_cache(maxsize=2)
+def _bpe(raw: bytes) -> tuple[dict[bytes, int], dict[bytes, str], list[str]]:
+    """The ranks, each token's byte-level text and the merges recovered from the ranks (seconds for a
+    160k-token vocabulary: computed once per run, though planning and writing both ask; read only)."""
+    ranks = _ranks(raw)
+    chars = _byte_chars()
+    text_of = {token: "".join(chars[b] for b in token) for token in ranks}
+    merges = []
+    for token, rank in ranks.items():
+        if len(token) > 1 and len(pair := _parts(ranks, token, rank)) == 2:
+            merges.append(f"{text_of[pair[0]]} {text_of[pair[1]]}")
+    return ranks, text_of, merges
+
+
 class TiktokenVocab:
     """Token texts, types, merges and the special-token table of a Kimi-K2 tiktoken vocabulary."""
 
@@ -153,13 +168,7 @@ def tiktoken_vocab(read: Read, tc: Mapping[str, Any], vocab_size: int | None, ty
                       f"(kimi-k2); {WANT}")
     if reserved is None or reserved < 0:
         raise Refused(f"{TOKENIZER_CODE}: no num_reserved_special_tokens integer; {WANT}")
-    ranks = _ranks(raw)
-    chars = _byte_chars()
-    text_of = {token: "".join(chars[b] for b in token) for token in ranks}
-    merges = []
-    for token, rank in ranks.items():
-        if len(token) > 1 and len(pair := _parts(ranks, token, rank)) == 2:
-            merges.append(f"{text_of[pair[0]]} {text_of[pair[1]]}")
+    ranks, text_of, merges = _bpe(raw)
     names = {}
     for k, v in (tc.get("added_tokens_decoder") or {}).items():
         content = v.get("content") if isinstance(v, dict) else v
@@ -176,4 +185,4 @@ def tiktoken_vocab(read: Read, tc: Mapping[str, Any], vocab_size: int | None, ty
                       f"distinct token texts")
     special_ids = set(specials.values())
     kinds = [unused if i not in by_id else control if i in special_ids else normal for i in range(n)]
-    return TiktokenVocab(texts, kinds, merges, specials)
+    return TiktokenVocab(texts, kinds, list(merges), specials)
